@@ -1,0 +1,185 @@
+"""Stage outputs: a directory plus a `manifest.json` naming every file with its sha256.
+
+Every stage writes into a fresh temporary sibling directory and renames it into place
+only when complete, so a crash or a failed stage never replaces a good artifact.
+Downstream stages refer to an artifact by `ArtifactRef` (path + content digest):
+small, JSON-serialisable, and a cache key ingredient.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """What a stage returns: where its output lives and a digest of its content."""
+
+    stage: str
+    path: str
+    digest: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArtifactRef":
+        return cls(**d)
+
+    def manifest(self) -> dict:
+        return read_manifest(Path(self.path))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _file_entries(root: Path) -> dict[str, dict]:
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            rel = p.relative_to(root).as_posix()
+            files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    return files
+
+
+def content_digest(files: dict[str, dict]) -> str:
+    """Digest over file names and hashes only: metrics and timestamps don't change it."""
+    return sha256_json({k: v["sha256"] for k, v in files.items()})
+
+
+def write_manifest(root: Path, stage: str, config: dict | None = None,
+                   metrics: dict | None = None, inputs: list[ArtifactRef] | None = None) -> dict:
+    root = Path(root)
+    files = _file_entries(root)
+    manifest = {
+        "stage": stage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "digest": content_digest(files),
+        "files": files,
+        "config": config or {},
+        "metrics": metrics or {},
+        "inputs": [r.to_dict() for r in (inputs or [])],
+    }
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    return manifest
+
+
+def read_manifest(root: Path) -> dict:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no manifest; the stage that writes {root} did not finish")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def verify(root: Path) -> dict:
+    """Re-hash every file listed in the manifest; raise naming the first mismatch."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    for rel, entry in manifest["files"].items():
+        p = root / rel
+        if not p.is_file():
+            raise ValueError(f"{p}: listed in {root / MANIFEST} but missing")
+        if p.stat().st_size != entry["size"] or sha256_file(p) != entry["sha256"]:
+            raise ValueError(f"{p}: content does not match {root / MANIFEST}")
+    return manifest
+
+
+def is_complete(root: Path) -> bool:
+    try:
+        verify(root)
+        return True
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return False
+
+
+def still_published(ref: dict) -> bool:
+    """Cheap check that a (possibly cached) reference still names what is on disk."""
+    try:
+        manifest = read_manifest(Path(ref["path"]))
+    except (OSError, ValueError):
+        return False
+    root = Path(ref["path"])
+    return manifest["digest"] == ref["digest"] and all(
+        (root / rel).is_file() and (root / rel).stat().st_size == e["size"] for rel, e in manifest["files"].items())
+
+
+def ref_for(root: Path) -> ArtifactRef:
+    m = read_manifest(root)
+    return ArtifactRef(stage=m["stage"], path=str(Path(root).resolve()), digest=m["digest"])
+
+
+@contextlib.contextmanager
+def staging_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp dir next to `final`; on success replace `final` with it, on error drop it.
+
+    The swap is two renames (old → trash, new → final); a crash between them leaves the old
+    artifact recoverable in `.<name>.old-*` and `final` absent, never a half-written `final`.
+    """
+    final = Path(final).resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}-{time.time_ns()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build(final: Path, stage: str, fn, *, config: dict | None = None,
+          inputs: list[ArtifactRef] | None = None) -> ArtifactRef:
+    """Run `fn(tmp_dir) -> metrics` in a staging dir, write its manifest, publish it atomically."""
+    with staging_dir(final) as tmp:
+        metrics = fn(tmp) or {}
+        write_manifest(tmp, stage, config=config, metrics=metrics, inputs=inputs)
+    return ref_for(final)

@@ -1,0 +1,157 @@
+"""The one typed schema for glm-lora configs; YAML presets in this folder fill it in.
+
+Every field's default lives here and nowhere else. Unknown keys and bad values are
+rejected with the dotted key and the allowed values named.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# vLLM's CPU attention backend supports only these head sizes (a server with another one starts,
+# then dies on the first request).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SyntheticData(Section):
+    """The bundled generator (data/synthetic.py): bilingual corpus + SFT/DPO task sets."""
+
+    seed: int = 0
+    n_pretrain: int = Field(4000, ge=3)
+    n_sft: int = Field(4000, ge=1)
+    n_dpo: int = Field(1000, ge=1)
+    n_eval: int = Field(200, ge=1)
+
+
+class DataConfig(Section):
+    """Paths to your own files; any left null comes from the synthetic generator."""
+
+    synthetic: SyntheticData = SyntheticData()
+    pretrain: Path | None = None       # JSONL {"text"} or .txt
+    pretrain_eval: Path | None = None
+    sft: Path | None = None            # JSONL {"conversations": [{"role","content"}...]}
+    sft_eval: Path | None = None
+    dpo: Path | None = None            # JSONL {"chosen": [msgs], "rejected": [msgs]}
+    dpo_eval: Path | None = None
+
+
+class TokenizerConfig(Section):
+    vocab_size: int = Field(2000, ge=300)
+
+
+class ModelConfig(Section):
+    """Decoder shape; maps 1:1 onto transformers' LlamaForCausalLM (see model/hf.py)."""
+
+    vocab_size: int | None = None      # None: taken from the tokenizer
+    hidden_size: int = Field(192, ge=8)
+    num_layers: int = Field(3, ge=1)
+    num_heads: int = Field(6, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(512, ge=8)
+    max_seq_len: int = Field(512, ge=16)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({self.num_kv_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("model.hidden_size / model.num_heads (head dim) must be even for RoPE")
+        return self
+
+
+class LoRAConfig(Section):
+    r: int = Field(16, ge=1)
+    alpha: float = 32.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = list(LORA_TARGETS)
+
+    @model_validator(mode="after")
+    def _known_targets(self):
+        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if bad or not self.target_modules:
+            raise ValueError(f"lora.target_modules: unknown {bad or '(empty)'}; allowed: {list(LORA_TARGETS)}")
+        return self
+
+
+class TrainConfig(Section):
+    """One training stage's loop settings (the engine is shared by all stages)."""
+
+    max_steps: int = Field(100, ge=1)
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    seq_len: int = Field(128, ge=8)
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)   # 0 disables clipping
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+
+
+class SFTConfig(TrainConfig):
+    lora: LoRAConfig = LoRAConfig()
+
+
+class DPOConfig(TrainConfig):
+    lora: LoRAConfig = LoRAConfig()
+    beta: float = Field(0.1, gt=0)
+    nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation)
+
+
+class ServeConfig(Section):
+    enabled: bool = True
+    host: Literal["127.0.0.1"] = "127.0.0.1"
+    port: int = Field(8765, ge=1024, le=65535)
+    keep_running: bool = True
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(512, ge=16)
+    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)
+    startup_timeout_s: int = Field(300, ge=10)
+    prompt: str = "What is 12 + 7?"
+    max_tokens: int = Field(32, ge=1)
+
+
+class Config(Section):
+    run_name: str = Field("tiny", pattern=r"^[A-Za-z0-9._-]+$")
+    runs_dir: Path = Path("runs")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA, fp32 on CPU
+    kernels: Literal["auto", "reference"] = "auto"                 # auto: fused Triton on CUDA once available
+    threads: int | None = None                                       # torch CPU threads; None = torch default
+    base_model: Path | None = None    # local HF Llama-family dir: skip tokenizer training + pretrain
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    pretrain: TrainConfig = TrainConfig()
+    sft: SFTConfig = SFTConfig()
+    dpo: DPOConfig = DPOConfig(lr=5e-5)
+    serve: ServeConfig = ServeConfig()
+
+    @model_validator(mode="after")
+    def _servable(self):
+        head_dim = self.model.hidden_size // self.model.num_heads
+        if self.serve.enabled and self.device == "cpu" and self.base_model is None and head_dim not in VLLM_CPU_HEAD_SIZES:
+            raise ValueError(f"model.hidden_size / model.num_heads = {head_dim} is not a head size vLLM's CPU backend "
+                             f"serves {list(VLLM_CPU_HEAD_SIZES)}; change model.num_heads or set serve.enabled: false")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return (self.runs_dir / self.run_name).resolve()
+
+    def stage_dir(self, stage: str) -> Path:
+        """Where a stage's artifact is published: runs/<run_name>/<stage>/."""
+        return self.run_dir / stage

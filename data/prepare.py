@@ -1,0 +1,69 @@
+"""The data and tokenizer stages as plain functions: `fn(..., out_dir) -> metrics`."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from artifacts import sha256_file
+from configs.schema import DataConfig
+from data import formats, synthetic
+from data.tokenizer import train_tokenizer
+
+SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
+          "sft": formats.read_sft, "sft_eval": formats.read_sft,
+          "dpo": formats.read_dpo, "dpo_eval": formats.read_dpo}
+SOURCES = "sources.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
+    """Generate the synthetic splits the user didn't supply; validate every split by reading it.
+
+    User files stay where they are; `sources.json` records each split's path and sha256, so
+    the artifact digest changes whenever a user file does.
+    """
+    out_dir = Path(out_dir)
+    user = {s: getattr(cfg, s) for s in SPLITS if getattr(cfg, s) is not None}
+    generated: dict[str, Path] = {}
+    if len(user) < len(SPLITS):
+        syn = cfg.synthetic
+        generated = synthetic.generate(out_dir, seed=syn.seed, n_pretrain=syn.n_pretrain, n_sft=syn.n_sft,
+                                       n_dpo=syn.n_dpo, n_eval=syn.n_eval)
+        for s in user:
+            generated.pop(s, None)
+            (out_dir / f"{s}.jsonl").unlink(missing_ok=True)
+    sources, counts = {}, {}
+    for split, reader in SPLITS.items():
+        path = Path(user[split]).resolve() if split in user else Path(generated[split]).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.{split}: {path} does not exist")
+        counts[split] = sum(1 for _ in reader(path))
+        if counts[split] == 0:
+            raise ValueError(f"data.{split}: {path} has no rows")
+        sources[split] = {"path": path.name if split not in user else str(path),
+                          "sha256": sha256_file(path), "rows": counts[split], "user": split in user}
+    (out_dir / SOURCES).write_text(json.dumps(sources, indent=2))
+    return {f"rows_{k}": v for k, v in counts.items()}
+
+
+def split_path(data_dir: Path, split: str) -> Path:
+    """Where a prepared split's rows live (inside the artifact, or the user's own file)."""
+    entry = json.loads((Path(data_dir) / SOURCES).read_text())[split]
+    return Path(entry["path"]) if entry["user"] else Path(data_dir) / entry["path"]
+
+
+def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model: Path | None = None,
+                      seed: int = 0) -> dict:
+    """Train a sentencepiece BPE on the pretraining text, or take a base model's tokenizer."""
+    if base_model is not None:
+        base_model = Path(base_model)
+        found = [f for f in TOKENIZER_FILES if (base_model / f).is_file()]
+        if "tokenizer.json" not in found and "tokenizer.model" not in found:
+            raise FileNotFoundError(f"base_model {base_model}: no tokenizer.json or tokenizer.model")
+        for f in found:
+            shutil.copy2(base_model / f, Path(out_dir) / f)
+        return {"source": str(base_model), "files": len(found)}
+    train_tokenizer([split_path(data_dir, "pretrain")], Path(out_dir), vocab_size=vocab_size, seed=seed)
+    return {"vocab_size": vocab_size}

@@ -1,0 +1,60 @@
+"""Pure-PyTorch reference ops. The fused Triton kernels must match these (forward and backward)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 like transformers' LlamaRMSNorm, then cast back.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for `positions` (B, T) in the rotate-half layout HF Llama uses: (B, T, head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq          # (B, T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                  # (B, T, head_dim)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (B, H, T, D); cos, sin: (B, T, D)."""
+    cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                scale: float, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """y = x Wᵀ + scale · dropout(x) Aᵀ Bᵀ, with W (out, in), A (r, in), B (out, r)."""
+    lora_in = F.dropout(x, dropout, training) if dropout > 0 else x
+    return F.linear(x, weight) + scale * F.linear(F.linear(lora_in, lora_a), lora_b)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token NLL over labelled positions and their count. hidden (N, C), labels (N,)."""
+    logits = F.linear(hidden, weight).float()
+    loss_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return loss_sum, (labels != ignore_index).sum()
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """log p(label) per position (0 where label == ignore_index). hidden (B, T, C), labels (B, T)."""
+    logits = F.linear(hidden, weight).float()
+    mask = labels != ignore_index
+    safe = labels.masked_fill(~mask, 0)
+    logp = torch.gather(logits.log_softmax(-1), -1, safe[..., None]).squeeze(-1)
+    return logp * mask

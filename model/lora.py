@@ -1,0 +1,112 @@
+"""LoRA on the decoder's linear layers: inject, disable (for DPO's reference), merge, save.
+
+Parameter names mirror PEFT (`<path>.lora_A.weight`, `<path>.lora_B.weight`) so the export to a
+PEFT adapter is a prefix change only.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+
+import kernels
+
+
+class LoRALinear(nn.Module):
+    """A frozen base linear plus a trainable low-rank update: y = x Wᵀ + (α/r)·x Aᵀ Bᵀ."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.r, self.alpha, self.dropout = r, alpha, dropout
+        self.scale = alpha / r
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))   # PEFT's default init
+        nn.init.zeros_(self.lora_B.weight)                             # starts as the identity update
+        self.enabled = True
+
+    def forward(self, x):
+        if not self.enabled:
+            return nn.functional.linear(x, self.weight)
+        return kernels.lora_linear(x, self.weight, self.lora_A.weight, self.lora_B.weight,
+                                   self.scale, self.dropout, self.training)
+
+    def merged_weight(self) -> torch.Tensor:
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (self.weight.float() + self.scale * delta).to(self.weight.dtype)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")
+            and not n.endswith((".lora_A", ".lora_B"))]
+
+
+def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: float, dropout: float = 0.0) -> list[str]:
+    """Freeze `model` and wrap every linear whose last name part is in `target_modules`."""
+    names = linear_names(model)
+    available = sorted({n.rsplit(".", 1)[-1] for n in names})
+    unknown = [t for t in target_modules if t not in available]
+    if unknown:
+        raise ValueError(f"lora.target_modules {unknown} not found in the model; its linear layers are {available}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for name in names:
+        if name.rsplit(".", 1)[-1] in target_modules:
+            parent_name, attr = name.rsplit(".", 1)
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout))
+            wrapped.append(name)
+    return wrapped
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """Run the frozen base weights only: DPO's reference model without a second copy."""
+    mods = list(lora_modules(model).values())
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.enabled = True
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter weights only, keyed `<module path>.lora_A.weight` / `.lora_B.weight`."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
+        out[f"{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
+    return out
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    mods = lora_modules(model)
+    expected = {f"{n}.lora_{ab}.weight" for n in mods for ab in "AB"}
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(f"adapter does not match the model's LoRA layers: missing {missing[:4]}, unexpected {extra[:4]}")
+    for name, m in mods.items():
+        m.lora_A.weight.data.copy_(state[f"{name}.lora_A.weight"])
+        m.lora_B.weight.data.copy_(state[f"{name}.lora_B.weight"])
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put plain nn.Linear layers back."""
+    for name, m in lora_modules(model).items():
+        parent_name, attr = name.rsplit(".", 1)
+        merged = nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device, dtype=m.weight.dtype)
+        merged.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
+        setattr(model.get_submodule(parent_name), attr, merged)
+    return model

@@ -1,0 +1,79 @@
+"""The serve stage: promote the merged export to a vLLM OpenAI server and ask it one question.
+
+The previous server of this run (if its record says it is ours) is stopped first; the new one
+is recorded in `server.json`. Our own in-process greedy answer is recorded beside vLLM's, so
+parity is visible in every run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from configs.schema import Config
+from data.tokenizer import load_tokenizer
+from model.hf import load_hf_llama
+from serve.vllm_server import chat, port_in_use, start_server, stop_server, wait_healthy
+
+log = logging.getLogger("glm_lora.serve")
+RECORD = "server.json"
+
+
+def stop_recorded_server(serve_dir: Path) -> bool:
+    record = Path(serve_dir) / RECORD
+    if not record.is_file():
+        return False
+    info = json.loads(record.read_text())
+    if info.get("running"):
+        stop_server(info["pid"])
+        log.info("stopped the previous server (pid %s, %s)", info["pid"], info["url"])
+        return True
+    return False
+
+
+def inprocess_answer(model_dir: Path, messages: list[dict], max_tokens: int) -> str:
+    tok = load_tokenizer(model_dir)
+    model = load_hf_llama(model_dir).eval()
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(prompt, list):
+        prompt = prompt["input_ids"]
+    with torch.no_grad():
+        out = model.generate(list(prompt), max_tokens, eos_id=tok.eos_token_id)
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
+    sc = cfg.serve
+    final_dir = cfg.stage_dir("serve")
+    stop_recorded_server(final_dir)
+    if port_in_use(sc.host, sc.port):
+        raise RuntimeError(f"port {sc.port} on {sc.host} is taken by another process; set serve.port to a free port")
+    model_dir = Path(export_dir) / "merged"
+    messages = [{"role": "user", "content": sc.prompt}]
+    t0 = time.perf_counter()
+    handle = start_server(model_dir, port=sc.port, host=sc.host, served_model_name=cfg.run_name, dtype=sc.dtype,
+                          max_model_len=sc.max_model_len, kv_cache_bytes=sc.kv_cache_bytes,
+                          log_path=final_dir.parent / "serve.log")
+    try:
+        wait_healthy(handle, timeout_s=sc.startup_timeout_s)
+        ready_s = time.perf_counter() - t0
+        answer = chat(handle, messages, max_tokens=sc.max_tokens, temperature=0.0)
+    except BaseException:
+        stop_server(handle.pid)
+        raise
+    ours = inprocess_answer(model_dir, messages, sc.max_tokens)
+    running = sc.keep_running
+    if not running:
+        stop_server(handle.pid)
+    record = {"pid": handle.pid, "url": handle.base_url, "model": cfg.run_name, "running": running,
+              "log": str(handle.log_path), "model_dir": str(model_dir)}
+    (Path(out_dir) / RECORD).write_text(json.dumps(record, indent=2))
+    result = {"endpoint": f"{handle.base_url}/v1/chat/completions", "model": cfg.run_name, "prompt": sc.prompt,
+              "answer": answer, "inprocess_answer": ours, "matches_inprocess": answer.strip() == ours.strip(),
+              "ready_s": round(ready_s, 1), "running": running}
+    (Path(out_dir) / "answer.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    log.info("served %s: %r -> %r (in-process: %r)", result["endpoint"], sc.prompt, answer, ours)
+    return result

@@ -1,0 +1,11 @@
+"""Test session setup: a private Prefect home (caches never leak between sessions), offline."""
+import os
+import tempfile
+
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="glm-lora-prefect-")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "glm_lora")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

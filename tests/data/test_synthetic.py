@@ -1,0 +1,143 @@
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from data.formats import read_dpo, read_pretrain, read_sft
+from data.synthetic import TASK_FAMILIES, UNITS, check_answer, generate
+
+COUNTS = dict(n_pretrain=300, n_sft=400, n_dpo=100, n_eval=50)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> dict[str, Path]:
+    return generate(tmp_path_factory.mktemp("syn"), seed=3, **COUNTS)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def user(row: dict) -> str:
+    return (row.get("conversations") or row["chosen"])[0]["content"]
+
+
+def answer(row: dict) -> str:
+    return row["conversations"][1]["content"]
+
+
+def test_same_seed_same_bytes_other_seed_differs(out, tmp_path):
+    again = generate(tmp_path / "a", seed=3, **COUNTS)
+    other = generate(tmp_path / "b", seed=4, **COUNTS)
+    assert set(again) == set(out) == {"pretrain", "pretrain_eval", "sft", "sft_eval", "dpo", "dpo_eval"}
+    for name in out:
+        assert again[name].read_bytes() == out[name].read_bytes(), name
+        assert other[name].read_bytes() != out[name].read_bytes(), name
+
+
+def test_eval_sets_do_not_depend_on_train_counts(out, tmp_path):
+    bigger = generate(tmp_path, seed=3, **{**COUNTS, "n_sft": 500})
+    assert bigger["sft_eval"].read_bytes() == out["sft_eval"].read_bytes()
+
+
+def test_counts_and_families(out):
+    n = {"pretrain": 300, "pretrain_eval": 50, "sft": 400, "sft_eval": 50, "dpo": 100, "dpo_eval": 50}
+    for name, count in n.items():
+        assert len(rows(out[name])) == count, name
+    for name in ("sft", "sft_eval", "dpo", "dpo_eval"):
+        assert {r["task"] for r in rows(out[name])} == set(TASK_FAMILIES), name
+
+
+def test_eval_prompts_held_out(out):
+    held_out = {user(r) for r in rows(out["sft_eval"])}
+    assert len(held_out) == 50  # distinct
+    assert held_out == {user(r) for r in rows(out["dpo_eval"])}
+    for name in ("sft", "dpo"):
+        assert not held_out & {user(r) for r in rows(out[name])}, name
+    pretrain = out["pretrain"].read_text(encoding="utf-8")
+    assert not [p for p in held_out if json.dumps(p, ensure_ascii=False)[1:-1] in pretrain]
+    assert not {r["text"] for r in rows(out["pretrain_eval"])} & {r["text"] for r in rows(out["pretrain"])}
+
+
+def expected(task: str, prompt: str) -> set[str]:
+    """Recompute the answer from the prompt alone (a set: units are matched by name)."""
+    kind, lang = task.split("_")
+    if kind in ("add", "sub"):
+        a, b = map(int, re.findall(r"\d+", prompt))
+        assert a >= b or kind == "add"
+        return {str(a + b if kind == "add" else a - b)}
+    if kind in ("copy", "reverse"):
+        (s,) = re.findall(r'["“](.+?)["”]', prompt)
+        return {s if kind == "copy" else s[::-1]}
+    (v,) = map(int, re.findall(r"\d+", prompt))
+    words = set(re.findall(r"[a-z]+", prompt))
+    out = set()
+    for en_big, en_small, zh_big, zh_small, f in UNITS:
+        big, small, sep = (en_big, en_small, " ") if lang == "en" else (zh_big, zh_small, "")
+        present = (lambda u: u in words) if lang == "en" else (lambda u: u in prompt)
+        if present(big) and present(small):
+            out.add(f"{v * f}{sep}{small}")
+            if v % f == 0:
+                out.add(f"{v // f}{sep}{big}")
+    return out
+
+
+@pytest.mark.parametrize("name", ["sft", "sft_eval"])
+def test_every_sft_answer_is_correct(out, name):
+    for r in rows(out[name]):
+        assert [m["role"] for m in r["conversations"]] == ["user", "assistant"]
+        assert answer(r) in expected(r["task"], user(r)), r
+
+
+def test_string_tasks_shapes(out):
+    for r in rows(out["sft"]):
+        if r["task"].startswith(("copy", "reverse")):
+            s = answer(r)
+            assert (3 <= len(s) <= 8 and s.isascii() and s.islower()) if r["task"].endswith("en") else 2 <= len(s) <= 6
+
+
+def test_dpo_chosen_correct_and_rejected_wrong_same_shape(out):
+    for r in rows(out["dpo"]) + rows(out["dpo_eval"]):
+        chosen, rejected = r["chosen"][1]["content"], r["rejected"][1]["content"]
+        assert r["chosen"][0] == r["rejected"][0]
+        assert chosen in expected(r["task"], r["chosen"][0]["content"])
+        assert rejected != chosen
+        if r["task"].startswith(("add", "sub")):
+            assert re.fullmatch(r"-?\d+", rejected)
+        if r["task"].startswith("units"):
+            assert re.sub(r"\d+", "", rejected) == re.sub(r"\d+", "", chosen)
+
+
+def test_pretrain_documents(out):
+    docs = list(read_pretrain(out["pretrain"]))
+    assert all(20 <= len(d) <= 400 for d in docs)
+    assert sum(len(d) < 150 for d in docs) > len(docs) / 2  # skewed short
+    assert any(re.search(r"[a-z]", d) for d in docs) and any(re.search("[\u4e00-\u9fff]", d) for d in docs)
+    # a tokenizer trained on pretrain.jsonl sees every character the task files use
+    corpus = set("".join(docs))
+    for name in ("sft", "sft_eval", "dpo", "dpo_eval"):
+        for r in rows(out[name]):
+            for m in r.get("conversations", []) + r.get("chosen", []) + r.get("rejected", []):
+                assert set(m["content"]) <= corpus, (name, m["content"])
+
+
+def test_files_pass_the_readers(out):
+    assert len(list(read_sft(out["sft"]))) == 400
+    prompt, chosen, rejected = next(read_dpo(out["dpo"]))
+    assert prompt[0]["role"] == "user" and chosen["role"] == rejected["role"] == "assistant"
+    assert len(list(read_dpo(out["dpo_eval"]))) == 50
+    assert len(list(read_pretrain(out["pretrain_eval"]))) == 50
+
+
+def test_check_answer():
+    assert check_answer("add_en", " 19\n", "19")
+    assert not check_answer("add_en", "019", "19")
+    assert check_answer("units_zh", "3000米", "3000米") and not check_answer("units_en", "3000m", "3000 m")
+
+
+def test_cli(tmp_path):
+    from data.synthetic import main
+
+    main([str(tmp_path), "--seed", "1", "--n-pretrain", "20", "--n-sft", "20", "--n-dpo", "10", "--n-eval", "10"])
+    assert len(rows(tmp_path / "sft.jsonl")) == 20

@@ -1,0 +1,141 @@
+"""Tokenizer stage: sentencepiece BPE <-> Hugging Face parity, single-char letters, chat format."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+from data.tokenizer import (
+    CHAT_TEMPLATE, IGNORE_INDEX, IM_END, IM_START, load_tokenizer, tokenize_chat, train_tokenizer,
+)
+
+VOCAB = 500
+SAMPLES = [
+    "hello world",
+    "reverse abcxyz",
+    "Add 123 and 4567: the answer is 4690.\n",
+    "  leading spaces,\ttabs and\n\nblank lines  ",
+    "把 hello 反转过来是 olleh。\n请计算 12 加 30 等于多少？",
+    "unseen: Zebra QUIZ é ü 日本 😀 ~`|",
+]
+CHAT = [
+    {"role": "system", "content": "You are tiny."},
+    {"role": "user", "content": "reverse hello"},
+    {"role": "assistant", "content": "olleh"},
+    {"role": "user", "content": "12 加 30 等于多少？"},
+    {"role": "assistant", "content": "42\n答案是 42。"},
+]
+
+
+def _corpus(path: Path, n: int = 3000) -> Path:
+    rng = random.Random(0)
+    words = "hello world reverse copy the answer is add subtract meters kilometers".split()
+    zh = "你好世界请把这个单词反转复制加上减去等于答案是多少米公里千克"
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            en = " ".join(rng.choices(words, k=5))
+            cn = "".join(rng.choices(zh, k=6))
+            f.write(json.dumps({"text": f"{en} {rng.randint(0, 9999)}\n{cn}。"}, ensure_ascii=False) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("tok")
+    t0 = time.monotonic()
+    out = train_tokenizer([_corpus(tmp / "corpus.jsonl")], tmp / "tokenizer", vocab_size=VOCAB)
+    seconds = time.monotonic() - t0
+    print(f"\ntokenizer trained in {seconds:.2f}s")
+    assert seconds < 20
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return load_tokenizer(tok_dir)
+
+
+def test_files_and_autotokenizer_load(tok_dir: Path, tok) -> None:
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tok_dir / name).exists(), name
+    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+    assert type(tok).__name__ == "LlamaTokenizer"
+    assert len(tok) == VOCAB  # not the silent 3-token tokenizer
+    assert tok.eos_token == IM_END and tok.pad_token == "<pad>"
+    assert tok.pad_token_id != tok.eos_token_id
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_roundtrip_and_sentencepiece_parity(tok_dir: Path, tok, text: str) -> None:
+    sp = spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model"))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == sp.encode(text)
+    assert tok.decode(ids) == text
+    assert sp.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", ["hello world", "reverse abcxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 9876"])
+def test_letters_and_digits_are_single_tokens(tok, text: str) -> None:
+    pieces = tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
+    assert pieces == ["▁" if c == " " else c for c in text]  # one piece each, none a byte fallback
+
+
+def test_special_tokens_are_single_ids(tok) -> None:
+    for t in (IM_START, IM_END, "<pad>", "<s>", "</s>"):
+        ids = tok.encode(t, add_special_tokens=False)
+        assert ids == [tok.convert_tokens_to_ids(t)], t
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)  # no auto bos/eos
+
+
+def test_chat_template_render(tok) -> None:
+    text = tok.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are tiny.<|im_end|>\n"
+        "<|im_start|>user\nreverse hello<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert not tok.apply_chat_template(CHAT[:2], tokenize=False).endswith("assistant\n")
+
+
+def test_tokenize_chat_labels(tok) -> None:
+    ids, labels = tokenize_chat(tok, CHAT)
+    assert len(ids) == len(labels)
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    # The labelled spans are exactly each answer followed by <|im_end|>.
+    spans, current = [], []
+    for i, label in zip(ids, labels):
+        if label != IGNORE_INDEX:
+            assert label == i
+            current.append(i)
+        elif current:
+            spans.append(current)
+            current = []
+    spans.append(current)
+    answers = [m["content"] for m in CHAT if m["role"] == "assistant"]
+    assert [tok.decode(s[:-1]) for s in spans] == answers
+    assert all(s[-1] == im_end for s in spans)
+    # Each answer's prompt is what apply_chat_template (and vLLM) feeds at inference.
+    for k, m in enumerate(CHAT):
+        if m["role"] == "assistant":
+            prompt = tok.apply_chat_template(CHAT[:k], add_generation_prompt=True, tokenize=True, return_dict=False)
+            assert ids[: len(prompt)] == prompt
+            assert labels[len(prompt) - 1] == IGNORE_INDEX and labels[len(prompt)] == ids[len(prompt)]
+    # And the whole sequence equals the rendered conversation (minus the final "\n").
+    full = tok.apply_chat_template(CHAT, tokenize=True, return_dict=False)
+    assert full[: len(ids)] == ids and tok.decode(full[len(ids):]) == "\n"
+
+
+def test_txt_input_max_sentences_and_determinism(tmp_path: Path) -> None:
+    txt = tmp_path / "c.txt"
+    lines = [json.loads(line)["text"] for line in _corpus(tmp_path / "c.jsonl", n=400).open(encoding="utf-8")]
+    txt.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    a = train_tokenizer([txt], tmp_path / "a", vocab_size=400, seed=1, max_sentences=500)
+    b = train_tokenizer([txt], tmp_path / "b", vocab_size=400, seed=1, max_sentences=500)
+    assert (a / "tokenizer.model").read_bytes() == (b / "tokenizer.model").read_bytes()
+    tok = load_tokenizer(a)
+    assert len(tok) == 400
+    assert tok.convert_ids_to_tokens(tok.encode("Quiz 7", add_special_tokens=False)) == ["Q", "u", "i", "z", "▁", "7"]

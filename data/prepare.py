@@ -8,7 +8,7 @@ from pathlib import Path
 from artifacts import sha256_file
 from configs.schema import DataConfig
 from data import formats, synthetic
-from data.tokenizer import train_tokenizer
+from data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
           "sft": formats.read_sft, "sft_eval": formats.read_sft,
@@ -64,6 +64,12 @@ def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model
             raise FileNotFoundError(f"base_model {base_model}: no tokenizer.json or tokenizer.model")
         for f in found:
             shutil.copy2(base_model / f, Path(out_dir) / f)
-        return {"source": str(base_model), "files": len(found)}
+        tok = load_tokenizer(out_dir)
+        if not tok.chat_template:
+            raise ValueError(f"base_model {base_model}: its tokenizer has no chat_template; SFT/DPO need one "
+                             "(add chat_template.jinja to the model directory)")
+        if tok.eos_token_id is None:
+            raise ValueError(f"base_model {base_model}: tokenizer defines no eos_token")
+        return {"source": str(base_model), "files": len(found), "vocab_size": len(tok)}
     train_tokenizer([split_path(data_dir, "pretrain")], Path(out_dir), vocab_size=vocab_size, seed=seed)
     return {"vocab_size": vocab_size}

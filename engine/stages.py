@@ -45,6 +45,11 @@ def _decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
                          tie_embeddings=m.tie_embeddings)
 
 
+def _pad_id(tok) -> int:
+    """Padding never gets a label and sits after every real token (causal), so any id works."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
 def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
     if seq_len > model.config.max_seq_len:
         raise ValueError(f"{key}.seq_len {seq_len} exceeds model.max_seq_len {model.config.max_seq_len}")
@@ -85,7 +90,7 @@ def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) ->
     docs = (tok.encode(text, add_special_tokens=False) for text in formats.read_pretrain(split_path(data_dir, "pretrain")))
     blocks = pretrain_blocks(docs, tc.seq_len, tok.eos_token_id)
     log.info("pretrain: %d blocks of %d tokens, %.2fM parameters", len(blocks), tc.seq_len, model.num_params() / 1e6)
-    batches = shuffled_batches(blocks, tc.batch_size, lambda b: pad_batch(b, tok.pad_token_id), tc.seed)
+    batches = shuffled_batches(blocks, tc.batch_size, lambda b: pad_batch(b, _pad_id(tok)), tc.seed)
     summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
     save_native(model.cpu(), out_dir)
     return {**summary, "params": model.num_params(), "blocks": len(blocks)}
@@ -121,7 +126,7 @@ def sft(cfg: Config, base_dir: Path, tokenizer_dir: Path, data_dir: Path, out_di
     examples = _sft_examples(tok, split_path(data_dir, "sft"), tc.seq_len)
     log.info("sft: %d examples, %.3fM trainable of %.2fM", len(examples),
              model.num_params(True) / 1e6, model.num_params() / 1e6)
-    batches = shuffled_batches(examples, tc.batch_size, lambda b: pad_batch(b, tok.pad_token_id), tc.seed)
+    batches = shuffled_batches(examples, tc.batch_size, lambda b: pad_batch(b, _pad_id(tok)), tc.seed)
     summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
     save_adapter(model.cpu(), tc.lora, out_dir)
     return {**summary, "examples": len(examples), "trainable_params": model.num_params(True)}
@@ -140,7 +145,7 @@ def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_di
         pairs.append((truncate(tokenize_chat(tok, prompt + [chosen]), tc.seq_len),
                       truncate(tokenize_chat(tok, prompt + [rejected]), tc.seq_len)))
     log.info("dpo: %d pairs, beta %.3g, nll_weight %.3g", len(pairs), tc.beta, tc.nll_weight)
-    batches = shuffled_batches(pairs, tc.batch_size, lambda b: pad_pairs(b, tok.pad_token_id), tc.seed)
+    batches = shuffled_batches(pairs, tc.batch_size, lambda b: pad_pairs(b, _pad_id(tok)), tc.seed)
     summary = train(model, DPOLoss(tc.beta, tc.nll_weight), batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
     save_adapter(model.cpu(), tc.lora, out_dir)
     return {**summary, "pairs": len(pairs), "trainable_params": model.num_params(True)}

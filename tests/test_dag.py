@@ -125,3 +125,36 @@ def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag):
     assert states == {"data": "Cached", "tokenizer": "Cached", "pretrain": "Cached", "sft": "Cached",
                       "dpo": "Completed", "export": "Completed"}
     assert result["export"]["digest"] != first["digest"]
+
+
+def test_base_model_path_starts_at_sft(dag, tmp_path):
+    """A local HF Llama directory replaces tokenizer training + pretraining."""
+    import shutil
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from data.prepare import TOKENIZER_FILES
+    from data.tokenizer import load_tokenizer
+    from model.hf import load_native
+
+    base_dir = tmp_path / "my-base"
+    base_dir.mkdir()
+    for f in TOKENIZER_FILES:
+        if (dag["run_dir"] / "tokenizer" / f).is_file():
+            shutil.copy2(dag["run_dir"] / "tokenizer" / f, base_dir / f)
+    tok = load_tokenizer(base_dir)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                      tie_word_embeddings=False)).eval()
+    hf.save_pretrained(base_dir)
+
+    overrides = {**dag["overrides"], "run_name": "from-base", "base_model": str(base_dir), "serve.enabled": False,
+                 "sft.max_steps": 10, "dpo.max_steps": 4}
+    result, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+    run_dir = Path(overrides["runs_dir"]) / "from-base"
+    ids = _ids(run_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(load_native(run_dir / "import_base").eval()(ids), hf(ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert (run_dir / "export" / "merged" / "model.safetensors").is_file()
+    assert result["export"]["digest"] == json.loads((run_dir / "export" / "manifest.json").read_text())["digest"]

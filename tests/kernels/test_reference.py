@@ -1,0 +1,186 @@
+"""kernels.reference vs transformers' Llama pieces / explicit formulas: forward and every gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels import reference as ref
+
+torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
+
+# dtype -> (atol, rtol)
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 2e-2)}
+DTYPES = list(TOL)
+# The loss heads always compute log-softmax in fp32 (the inputs' dtype only sets the matmul),
+# so they are checked against a float64 reference with these tolerances.
+LOSS_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
+LOSS_DTYPES = list(LOSS_TOL)
+
+
+def close(a, b, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def grads(out, inputs, seed=0):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+def leaf(*shape, dtype, seed, scale=1.0):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    return t.to(dtype).requires_grad_(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7, 48), (1, 5, 33), (13, 64)])
+def test_rms_norm_matches_llama_rmsnorm(shape, dtype):
+    x = leaf(*shape, dtype=dtype, seed=1, scale=3.0)
+    w = leaf(shape[-1], dtype=dtype, seed=2)
+    eps = 1e-5
+    hf = LlamaRMSNorm(shape[-1], eps=eps).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    ours = ref.rms_norm(x, w, eps)
+    theirs = hf(x)
+    close(ours, theirs, dtype)
+    gx, gw = grads(ours, (x, w))
+    hx, hw = grads(theirs, (x, hf.weight))
+    close(gx, hx, dtype)
+    close(gw, hw, dtype)
+
+
+def test_rms_norm_uses_eps():
+    x = torch.zeros(2, 8)
+    x[0, 0] = 1e-3
+    out = ref.rms_norm(x, torch.ones(8), eps=1.0)
+    # rsqrt(mean(x²)+1) ≈ 1: tiny inputs are not blown up to unit RMS.
+    assert out[0, 0].item() == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, H, Hkv, T, D, theta", [(2, 4, 2, 7, 16, 10000.0), (1, 3, 3, 11, 6, 500.0)])
+def test_rope_matches_llama_rotary(B, H, Hkv, T, D, theta, dtype):
+    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
+                      max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    rotary = LlamaRotaryEmbedding(cfg)
+    # Non-contiguous, per-row different positions (as with packing / left offsets).
+    pos = torch.stack([torch.arange(T) + 3 * b for b in range(B)])
+    q = leaf(B, H, T, D, dtype=dtype, seed=3)
+    k = leaf(B, Hkv, T, D, dtype=dtype, seed=4)
+
+    cos, sin = ref.rope_cos_sin(pos, D, theta)
+    hcos, hsin = rotary(q, pos)
+    assert cos.shape == (B, T, D)
+    assert cos.dtype == torch.float32       # tables stay fp32; apply_rope casts them to q's dtype
+    close(cos.to(dtype), hcos, dtype)       # HF returns them already in x's dtype
+    close(sin.to(dtype), hsin, dtype)
+
+    oq, ok = ref.apply_rope(q, k, cos, sin)
+    tq, tk = apply_rotary_pos_emb(q, k, cos.to(dtype), sin.to(dtype), unsqueeze_dim=1)
+    close(oq, tq, dtype)
+    close(ok, tk, dtype)
+    g_ours = grads(oq.sum() + (ok * 2).sum() + oq.pow(2).sum(), (q, k))
+    g_hf = grads(tq.sum() + (tk * 2).sum() + tq.pow(2).sum(), (q, k))
+    for a, b in zip(g_ours, g_hf):
+        close(a, b, dtype)
+
+
+def test_rope_position_zero_is_identity_and_norm_preserving():
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    cos, sin = ref.rope_cos_sin(torch.arange(5)[None], 8, 10000.0)
+    oq, ok = ref.apply_rope(q, k, cos, sin)
+    torch.testing.assert_close(oq[:, :, 0], q[:, :, 0])
+    torch.testing.assert_close(oq.norm(dim=-1), q.norm(dim=-1))
+    assert not torch.allclose(oq[:, :, 1:], q[:, :, 1:])
+
+
+def test_swiglu_explicit():
+    g, u = torch.randn(3, 5, 7), torch.randn(3, 5, 7)
+    torch.testing.assert_close(ref.swiglu(g, u), g * torch.sigmoid(g) * u)
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+@pytest.mark.parametrize("N, C, V", [(17, 24, 123), (5, 8, 7)])
+def test_linear_cross_entropy_matches_mean_ce(N, C, V, dtype):
+    atol, rtol = LOSS_TOL[dtype]
+    h = leaf(N, C, dtype=dtype, seed=5)
+    w = leaf(V, C, dtype=dtype, seed=6, scale=0.5)
+    labels = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(7))
+    labels[::3] = -100
+    loss_sum, count = ref.linear_cross_entropy(h, w, labels)
+    assert count.item() == int((labels != -100).sum())
+    assert loss_sum.dtype == torch.float32
+    ours = loss_sum / count
+    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    theirs = F.cross_entropy(F.linear(h64, w64), labels, ignore_index=-100)
+    torch.testing.assert_close(ours.double(), theirs, atol=atol, rtol=rtol)
+    gh, gw = torch.autograd.grad(ours, (h, w))
+    th, tw = torch.autograd.grad(theirs, (h64, w64))
+    assert gh.dtype == dtype and gw.dtype == dtype
+    torch.testing.assert_close(gh.double(), th, atol=atol, rtol=rtol)
+    torch.testing.assert_close(gw.double(), tw, atol=atol, rtol=rtol)
+    assert gh[::3].abs().max() == 0     # ignored rows get no gradient
+
+
+def test_linear_cross_entropy_custom_ignore_index():
+    h, w = torch.randn(4, 6), torch.randn(9, 6)
+    labels = torch.tensor([1, 7, 7, 2])
+    s, n = ref.linear_cross_entropy(h, w, labels, ignore_index=7)
+    assert n.item() == 2
+    torch.testing.assert_close(s, F.cross_entropy(h[[0, 3]] @ w.T, labels[[0, 3]], reduction="sum"))
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+@pytest.mark.parametrize("B, T, C, V", [(3, 9, 16, 101), (1, 4, 5, 11)])
+def test_linear_token_logprobs_matches_gather(B, T, C, V, dtype):
+    atol, rtol = LOSS_TOL[dtype]
+    h = leaf(B, T, C, dtype=dtype, seed=8)
+    w = leaf(V, C, dtype=dtype, seed=9, scale=0.5)
+    labels = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(10))
+    labels[:, -2:] = -100
+    ours = ref.linear_token_logprobs(h, w, labels)
+    assert ours.shape == (B, T) and ours.dtype == torch.float32
+
+    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(h64 @ w64.T, dim=-1)
+    rows = []
+    for b in range(B):
+        rows.append(torch.stack([logp[b, t, labels[b, t]] if labels[b, t] != -100 else logp.new_zeros(())
+                                 for t in range(T)]))
+    theirs = torch.stack(rows)
+    torch.testing.assert_close(ours.double(), theirs, atol=atol, rtol=rtol)
+    assert (ours[:, -2:] == 0).all()
+
+    g = torch.randn(B, T, generator=torch.Generator().manual_seed(0))
+    gh, gw = torch.autograd.grad(ours, (h, w), g)
+    th, tw = torch.autograd.grad(theirs, (h64, w64), g.double())
+    torch.testing.assert_close(gh.double(), th, atol=atol, rtol=rtol)
+    torch.testing.assert_close(gw.double(), tw, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead, IN, OUT, r, scale", [((2, 5), 24, 40, 4, 2.0), ((7,), 13, 9, 1, 0.5)])
+def test_lora_linear_matches_formula(lead, IN, OUT, r, scale, dtype):
+    x = leaf(*lead, IN, dtype=dtype, seed=11)
+    W = leaf(OUT, IN, dtype=dtype, seed=12)
+    A = leaf(r, IN, dtype=dtype, seed=13)
+    Bm = leaf(OUT, r, dtype=dtype, seed=14)
+    ours = ref.lora_linear(x, W, A, Bm, scale)
+    theirs = x @ W.T + scale * (x @ A.T) @ Bm.T
+    close(ours, theirs, dtype)
+    for a, b in zip(grads(ours, (x, W, A, Bm)), grads(theirs, (x, W, A, Bm))):
+        close(a, b, dtype)
+
+
+def test_lora_linear_dropout_only_on_adapter_path_and_only_in_training():
+    x, W, A, Bm = torch.randn(4, 16), torch.randn(8, 16), torch.randn(2, 16), torch.randn(8, 2)
+    plain = ref.lora_linear(x, W, A, Bm, 1.5)
+    torch.testing.assert_close(ref.lora_linear(x, W, A, Bm, 1.5, dropout=0.5, training=False), plain)
+    torch.manual_seed(0)
+    y = ref.lora_linear(x, W, A, Bm, 1.5, dropout=0.5, training=True)
+    torch.manual_seed(0)
+    xd = F.dropout(x, 0.5, True)
+    torch.testing.assert_close(y, x @ W.T + 1.5 * (xd @ A.T) @ Bm.T)
+    assert not torch.allclose(y, plain)

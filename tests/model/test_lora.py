@@ -1,0 +1,163 @@
+"""model/lora.py: inject / disable / merge / save, checked against the frozen base model."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
+from model.lora import LoRALinear, lora_modules
+
+torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
+
+VOCAB = 199
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(seed=0, tie=False) -> Decoder:
+    torch.manual_seed(seed)
+    return Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=48, max_seq_len=32, tie_embeddings=tie)).eval()
+
+
+def ids(seed=1):
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def randomise_b(model, seed=3, std=0.2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
+
+
+def test_inject_freezes_base_and_only_lora_trains():
+    m = tiny()
+    wrapped = inject_lora(m, ["q_proj", "v_proj", "down_proj"], r=4, alpha=8)
+    assert wrapped == [f"model.layers.{i}.{p}" for i in range(2)
+                       for p in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable == {f"{w}.lora_{ab}.weight" for w in wrapped for ab in "AB"}
+    assert isinstance(m.model.layers[0].self_attn.q_proj, LoRALinear)
+    assert isinstance(m.model.layers[0].self_attn.k_proj, nn.Linear)
+    assert m.model.layers[1].mlp.down_proj.lora_A.weight.shape == (4, 48)
+    assert m.model.layers[1].mlp.down_proj.lora_B.weight.shape == (32, 4)
+    assert m.model.layers[1].mlp.down_proj.scale == 2.0
+    assert m.num_params(trainable_only=True) == 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4 + 4 * 48 + 32 * 4)
+
+
+def test_backward_reaches_only_adapter():
+    m = tiny()
+    inject_lora(m, ALL, r=2, alpha=2)
+    randomise_b(m)
+    m(ids()).sum().backward()
+    for n, p in m.named_parameters():
+        if "lora_" in n:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+        else:
+            assert p.grad is None, n
+
+
+def test_unknown_target_names_available_linears():
+    m = tiny()
+    with pytest.raises(ValueError) as e:
+        inject_lora(m, ["q_proj", "qkv_proj", "lm_head"], r=2, alpha=2)
+    msg = str(e.value)
+    assert "'qkv_proj'" in msg and "'lm_head'" in msg      # lm_head is never a target
+    for name in ALL:
+        assert name in msg
+    assert all(p.requires_grad for p in m.parameters())     # failed call left the model untouched
+    assert not lora_modules(m)
+
+
+def test_zero_b_output_equals_base():
+    m = tiny()
+    base = copy.deepcopy(m)
+    inject_lora(m, ALL, r=4, alpha=16)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), base(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_merge_equals_unmerged(tie):
+    m = tiny(tie=tie)
+    base = copy.deepcopy(m)
+    inject_lora(m, ["q_proj", "k_proj", "o_proj", "up_proj"], r=4, alpha=12)
+    randomise_b(m)
+    x = ids()
+    with torch.no_grad():
+        unmerged = m(x)
+        assert not torch.allclose(unmerged, base(x), atol=1e-3)     # the adapter really does something
+        merge_lora(m)
+        merged = m(x)
+    torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=1e-5)
+    assert not lora_modules(m)
+    assert type(m.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert set(m.state_dict()) == set(base.state_dict())
+    layer = m.model.layers[1].mlp.up_proj
+    assert layer.weight.shape == (48, 32) and not layer.weight.requires_grad
+
+
+def test_merged_weight_formula():
+    lin = nn.Linear(6, 5, bias=False)
+    lora = LoRALinear(lin, r=3, alpha=6)
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    expected = lin.weight + 2.0 * lora.lora_B.weight @ lora.lora_A.weight
+    torch.testing.assert_close(lora.merged_weight(), expected)
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(lora(x), x @ expected.T, atol=1e-6, rtol=1e-5)
+
+
+def test_lora_disabled_gives_base_and_restores():
+    m = tiny()
+    base = copy.deepcopy(m)
+    inject_lora(m, ALL, r=4, alpha=8)
+    randomise_b(m)
+    x = ids()
+    with torch.no_grad():
+        adapted = m(x)
+        with lora_disabled(m) as same:
+            assert same is m
+            torch.testing.assert_close(m(x), base(x), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(m(x), adapted, atol=0, rtol=0)
+        with pytest.raises(RuntimeError):
+            with lora_disabled(m):
+                raise RuntimeError("boom")
+        assert all(mod.enabled for mod in lora_modules(m).values())
+        torch.testing.assert_close(m(x), adapted, atol=0, rtol=0)
+
+
+def test_state_dict_round_trip():
+    m = tiny()
+    inject_lora(m, ["q_proj", "gate_proj"], r=3, alpha=6)
+    randomise_b(m)
+    sd = lora_state_dict(m)
+    assert set(sd) == {f"model.layers.{i}.{p}.lora_{ab}.weight" for i in range(2)
+                       for p in ("self_attn.q_proj", "mlp.gate_proj") for ab in "AB"}
+    assert all(not t.requires_grad for t in sd.values())
+
+    other = tiny(seed=0)        # same base weights, fresh adapter (random A, zero B)
+    inject_lora(other, ["q_proj", "gate_proj"], r=3, alpha=6)
+    x = ids()
+    with torch.no_grad():
+        assert not torch.allclose(other(x), m(x))
+        load_lora_state_dict(other, sd)
+        torch.testing.assert_close(other(x), m(x), atol=0, rtol=0)
+
+
+def test_load_state_dict_mismatch_names_keys():
+    m = tiny()
+    inject_lora(m, ["q_proj", "v_proj"], r=2, alpha=2)
+    sd = lora_state_dict(m)
+    missing = dict(sd)
+    del missing["model.layers.1.self_attn.v_proj.lora_B.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.v_proj.lora_B.weight'\]"):
+        load_lora_state_dict(m, missing)
+    extra = {**sd, "model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(2, 32)}
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.0.mlp.up_proj.lora_A.weight'\]"):
+        load_lora_state_dict(m, extra)
+    wrong_shape = {**sd, "model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(5, 32)}
+    with pytest.raises(RuntimeError):
+        load_lora_state_dict(m, wrong_shape)

@@ -3,7 +3,6 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PATH="$REPO/.venv/bin:$PATH"
 export PREFECT_HOME="${PREFECT_HOME:-$REPO/.prefect-home}"
 export PREFECT_PORT="${PREFECT_PORT:-4200}"
-export PREFECT_API_URL="${PREFECT_API_URL:-http://127.0.0.1:$PREFECT_PORT/api}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 export PREFECT_LOGGING_EXTRA_LOGGERS=glm_lora
 export PREFECT_WORKER_QUERY_SECONDS=2

@@ -8,6 +8,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 bash scripts/setup.sh
 source scripts/env.sh
+export PREFECT_API_URL="${PREFECT_API_URL:-http://127.0.0.1:$PREFECT_PORT/api}"
 mkdir -p "$PREFECT_HOME"
 
 if ! curl -sf "$PREFECT_API_URL/health" >/dev/null; then

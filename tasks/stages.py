@@ -6,6 +6,7 @@ small ArtifactRef dict (path + digest) — never a model object.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,11 @@ def _prefect_key(stage: str) -> Callable:
     return key_fn
 
 
+def _artifact_key(cfg: Config, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]", "-", f"{cfg.run_name}-{what}".lower())
+
+
 def _metrics_markdown(stage: str, ref: artifacts.ArtifactRef, metrics: dict) -> str:
     rows = "\n".join(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items())
     return f"### {stage}\n\n`{ref.path}`  digest `{ref.digest[:16]}`\n\n| metric | value |\n|---|---|\n{rows}\n"
@@ -51,8 +57,8 @@ def run_stage(stage: str, cfg_dict: dict, upstream: list[dict], work: Callable[[
     inputs = [artifacts.ArtifactRef.from_dict(r) for r in upstream]
     ref = artifacts.build(out, stage, work, config={"cache_key": key, "run": cfg_dict}, inputs=inputs)
     metrics = ref.manifest()["metrics"]
-    create_markdown_artifact(key=f"{cfg.run_name.lower().replace('_', '-').replace('.', '-')}-{stage.replace('_', '-')}",
-                             markdown=_metrics_markdown(stage, ref, metrics), description=f"{stage} metrics")
+    create_markdown_artifact(key=_artifact_key(cfg, stage), markdown=_metrics_markdown(stage, ref, metrics),
+                             description=f"{stage} metrics")
     log.info("%s: built %s %s", stage, out, {k: metrics[k] for k in list(metrics)[:8]})
     return ref.to_dict()
 
@@ -132,7 +138,7 @@ def serve_task(cfg: dict, export: dict) -> dict[str, Any]:
     ref = artifacts.build(c.stage_dir("serve"), "serve", work, config={"run": cfg},
                           inputs=[artifacts.ArtifactRef.from_dict(export)])
     create_markdown_artifact(
-        key=f"{c.run_name.lower().replace('_', '-').replace('.', '-')}-answer",
+        key=_artifact_key(c, "answer"),
         markdown=f"### Served answer\n\n**endpoint** `{result['endpoint']}`\n\n**prompt** {result['prompt']}\n\n"
                  f"**vLLM** {result['answer']}\n\n**in-process** {result['inprocess_answer']}\n",
         description="answer from the served model")

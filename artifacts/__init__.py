@@ -29,6 +29,17 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def sha256_path(path: Path) -> str:
+    """sha256 of a file, or of a directory's relative file names and contents (a saved dataset)."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(p.relative_to(path).as_posix().encode() + b"\0" + sha256_file(p).encode())
+    return h.hexdigest()
+
+
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -40,6 +40,10 @@ class DataConfig(Section):
     sft_eval: Path | None = None
     dpo: Path | None = None            # JSONL {"chosen": [msgs], "rejected": [msgs]}
     dpo_eval: Path | None = None
+    on_bad_row: Literal["error", "skip"] = "error"   # skip: count and report malformed rows
+    dedup: bool = False                # drop exact duplicates
+    min_tokens: int = Field(2, ge=1)   # drop shorter documents / conversations
+    overlong: Literal["truncate", "drop"] = "truncate"   # SFT/DPO rows longer than seq_len
 
 
 class TokenizerConfig(Section):
@@ -86,7 +90,11 @@ class LoRAConfig(Section):
 
 
 class TrainConfig(Section):
-    """One training stage's loop settings (the engine is shared by all stages)."""
+    """One training stage's loop settings (the engine is shared by all stages).
+
+    A micro-batch is `batch_size` rows of `seq_len` tokens; with packing each row holds as many
+    whole documents as fit, so the token budget per micro-batch is batch_size × seq_len.
+    """
 
     max_steps: int = Field(100, ge=1)
     batch_size: int = Field(8, ge=1)
@@ -99,6 +107,8 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0)   # 0 disables clipping
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    packing: bool = True    # several documents per row (block-diagonal attention); False = padded rows
+    prefetch: int = Field(2, ge=0)   # batches built ahead in a background thread; 0 = inline
 
 
 class SFTConfig(TrainConfig):
@@ -129,7 +139,7 @@ class Config(Section):
     runs_dir: Path = Path("runs")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA, fp32 on CPU
-    kernels: Literal["auto", "reference"] = "auto"                 # auto: fused Triton on CUDA once available
+    kernels: Literal["auto", "reference", "flex"] = "auto"         # see kernels/__init__.py
     threads: int | None = None                                       # torch CPU threads; None = torch default
     base_model: Path | None = None    # local HF Llama-family dir: skip tokenizer training + pretrain
     data: DataConfig = DataConfig()

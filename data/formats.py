@@ -1,42 +1,74 @@
-"""Readers for user data files (pretrain / SFT / DPO), streaming, with errors that say where.
+"""Readers for user data (pretrain / SFT / DPO): streamed, with errors that say where.
 
-Every `DataError` names the file, the 1-based line and, where there is one, the field:
+A `DataError` names the file, the row and, where there is one, the field:
     data/sft.jsonl:17: field 'conversations[1].role': expected one of 'system', 'user', 'assistant', got 'bot'
+    data/sft.parquet: row 17: field 'output': missing
+    data/alpaca.json:230: row 17: field 'output': missing       (JSON array: line, then row)
 
-Formats (the ones `data.synthetic` writes, plus common variants):
-- pretrain: JSONL `{"text": str}`, or a `.txt` file with one document per non-empty line
-  (the JSONL rule, so line numbers in errors match; put multi-line documents in JSONL).
-- SFT: JSONL `{"conversations": [msg, ...]}` (or key "messages"), msg = `{"role", "content"}`,
-  roles system/user/assistant, the last message from the assistant.
-- DPO: JSONL `{"chosen": [msgs], "rejected": [msgs]}` sharing every message but the last
-  (the assistant answer), or `{"prompt": str, "chosen": str, "rejected": str}`.
-Extra keys are ignored; messages come back as plain `{"role", "content"}` dicts.
+Inputs, by path (`iter_rows` yields each row as a dict):
+- `.jsonl`: JSON Lines, read line by line; `.json` (or any other suffix): JSON Lines, or one
+  top-level JSON array decoded a chunk at a time. Invalid UTF-8 is reported per line.
+- `.txt`: one document `{"text": line}` per non-empty line (multi-line documents go in JSONL).
+- `.parquet`, `.arrow` (IPC file or stream, as `datasets` writes): read in record batches.
+- a directory saved with `datasets.Dataset.save_to_disk` (has state.json), read with
+  `datasets.load_from_disk` in batches; a saved `DatasetDict` (has dataset_dict.json) means its
+  "train" split; for another split pass its directory (`saved/test`).
+Rows are numbered from 1: the line for JSONL and .txt, the row index otherwise.
+
+Row shapes (extra keys are ignored; messages come back as plain `{"role", "content"}` dicts):
+- pretrain: `{"text": str}`.
+- SFT, detected per row: `conversations` or `messages` = a list of `{"role", "content"}` (roles
+  system/user/assistant) or ShareGPT `{"from": "human"|"gpt"|"system", "value"}`, ending with
+  the assistant; or Alpaca `instruction`, optional `input`, `output`, optional `system` →
+  [system], user (instruction + "\\n\\n" + input when input is not blank), assistant (output).
+- DPO: `chosen`/`rejected` conversations sharing every message but the last (the answer); or
+  `prompt` (a string, or messages ending with the user's) with `chosen`/`rejected` each a string
+  or a one-message assistant list (TRL). If `chosen` is a whole conversation, `prompt` is ignored.
+Readers check shapes and types only; empty text is a cleaning matter (data.cleaning).
+
+Bad rows: `on_bad_row="error"` (default) raises the DataError; `"skip"` counts the row in
+`report` (a CleanReport) under "bad_row", keeps the first few messages, and goes on. A JSON array
+that stops being valid JSON can't be resynchronised, so that one always raises.
 """
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+from data.cleaning import CleanReport
 
 Message = dict  # {"role": str, "content": str}
 ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+ON_BAD_ROW = ("error", "skip")
+
+_BATCH = 1024             # rows per Arrow batch turned into Python objects
+_CHUNK = 1 << 20          # bytes read at a time from a JSON array
+_MAX_ELEMENT = 64 << 20   # a JSON array element still unparsable after this many characters is an error
+_BLANK = re.compile(r"[ \t\r\n\ufeff]*")
 
 
 class DataError(ValueError):
-    """A bad row in a data file; the message names path, line and field."""
+    """A bad row in a data file; the message names path, row and field."""
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 @dataclass(frozen=True)
 class _Row:
     """Where a value came from, so every check can raise a precise DataError."""
 
-    path: str
-    line: int
+    where: str  # "file:line", "file: row N", or "file:line: row N" in a JSON array
+    n: int      # row number: the line in JSONL/.txt, the 1-based row index otherwise
 
     def error(self, field: str | None, msg: str) -> DataError:
-        where = f"field '{field}': " if field else ""
-        return DataError(f"{self.path}:{self.line}: {where}{msg}")
+        return DataError(f"{self.where}: {f'field {field!r}: ' if field else ''}{msg}")
 
     def get(self, obj: dict, key: str, field: str | None = None) -> Any:
         if key not in obj:
@@ -45,93 +77,314 @@ class _Row:
 
     def text(self, value: Any, field: str) -> str:
         if not isinstance(value, str):
-            raise self.error(field, f"expected a string, got {type(value).__name__}")
-        if not value.strip():
-            raise self.error(field, "empty")
+            raise self.error(field, f"expected a string, got {_kind(value)}")
         return value
 
-    def messages(self, value: Any, field: str) -> list[Message]:
-        """A non-empty conversation whose last message is the assistant's."""
+    def optional_text(self, obj: dict, key: str) -> str:
+        return "" if obj.get(key) is None else self.text(obj[key], key)
+
+    def message(self, m: Any, field: str) -> Message:
+        if not isinstance(m, dict):
+            raise self.error(field, f"expected an object with 'role' and 'content' (or 'from' and 'value'), "
+                                    f"got {_kind(m)}")
+        if m.get("role") is None and m.get("from") is not None:  # ShareGPT
+            who = m["from"]
+            if not isinstance(who, str) or who not in SHAREGPT_ROLES:
+                raise self.error(f"{field}.from", f"expected one of {', '.join(map(repr, SHAREGPT_ROLES))}, "
+                                                  f"got {who!r}")
+            return {"role": SHAREGPT_ROLES[who], "content": self.text(self.get(m, "value", f"{field}.value"),
+                                                                      f"{field}.value")}
+        role = self.get(m, "role", f"{field}.role")
+        if role not in ROLES:
+            raise self.error(f"{field}.role", f"expected one of {', '.join(map(repr, ROLES))}, got {role!r}")
+        return {"role": role, "content": self.text(self.get(m, "content", f"{field}.content"), f"{field}.content")}
+
+    def messages(self, value: Any, field: str, last: str = "assistant") -> list[Message]:
+        """A non-empty list of messages, the last one from `last`."""
         if not isinstance(value, list):
-            raise self.error(field, f"expected a list of messages, got {type(value).__name__}")
+            raise self.error(field, f"expected a list of messages, got {_kind(value)}")
         if not value:
             raise self.error(field, "empty conversation")
-        out = []
-        for i, m in enumerate(value):
-            f = f"{field}[{i}]"
-            if not isinstance(m, dict):
-                raise self.error(f, f"expected an object with 'role' and 'content', got {type(m).__name__}")
-            role = self.get(m, "role", f"{f}.role")
-            if role not in ROLES:
-                raise self.error(f"{f}.role", f"expected one of {', '.join(map(repr, ROLES))}, got {role!r}")
-            out.append({"role": role, "content": self.text(self.get(m, "content", f"{f}.content"), f"{f}.content")})
-        if out[-1]["role"] != "assistant":
-            raise self.error(f"{field}[{len(out) - 1}].role",
-                             f"the last message must be 'assistant', got {out[-1]['role']!r}")
+        out = [self.message(m, f"{field}[{i}]") for i, m in enumerate(value)]
+        if out[-1]["role"] != last:
+            raise self.error(f"{field}[{len(out) - 1}]", f"the last message must be {last!r}, got {out[-1]['role']!r}")
         return out
 
+    def answer(self, value: Any, field: str) -> Message:
+        """A DPO answer: a string, or a list holding one assistant message."""
+        if isinstance(value, str):
+            return {"role": "assistant", "content": value}
+        if not isinstance(value, list):
+            raise self.error(field, f"expected a string or a one-message list, got {_kind(value)}")
+        msgs = self.messages(value, field)
+        if len(msgs) != 1:
+            raise self.error(field, f"expected the answer alone (one assistant message), got {len(msgs)} messages")
+        return msgs[0]
 
-def _lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, decoded line) for each line; decodes per line so errors name it."""
+    def alpaca(self, obj: dict) -> list[Message]:
+        instruction, output = self.text(obj["instruction"], "instruction"), self.text(self.get(obj, "output"), "output")
+        inp, system = self.optional_text(obj, "input"), self.optional_text(obj, "system")
+        user = f"{instruction}\n\n{inp}" if inp.strip() else instruction
+        return ([{"role": "system", "content": system}] if system.strip() else []) + [
+            {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+# ---------------------------------------------------------------- sources: (row, dict or DataError)
+
+Source = Iterator[tuple[_Row, "dict | DataError"]]
+
+
+def _object(row: _Row, obj: Any) -> dict | DataError:
+    return obj if isinstance(obj, dict) else row.error(None, f"expected a JSON object, got {_kind(obj)}")
+
+
+def _lines(path: Path) -> Iterator[tuple[_Row, str | DataError]]:
+    """Each line, decoded on its own so a bad byte names its line."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
+            row = _Row(f"{path}:{n}", n)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise _Row(str(path), n).error(None, f"invalid UTF-8 at byte {e.start} of the line") from None
-            yield n, line.lstrip("\ufeff") if n == 1 else line
+                yield row, row.error(None, f"invalid UTF-8 at byte {e.start} of the line")
+                continue
+            yield row, line.lstrip("\ufeff") if n == 1 else line
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line of a JSONL file."""
-    for n, line in _lines(path):
-        if not line.strip():
-            continue
+def _txt(path: Path) -> Source:
+    for row, line in _lines(path):
+        if isinstance(line, DataError) or line.strip():
+            yield row, line if isinstance(line, DataError) else {"text": line.rstrip("\r\n")}
+
+
+def _jsonl(path: Path) -> Source:
+    for row, line in _lines(path):
+        if isinstance(line, DataError):
+            yield row, line
+        elif line.strip():
+            try:
+                yield row, _object(row, json.loads(line))
+            except json.JSONDecodeError as e:
+                yield row, row.error(None, f"invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _json_array(path: Path) -> Source:
+    """Elements of one top-level JSON array, decoded a chunk at a time (never the whole file)."""
+    decode, utf8 = json.JSONDecoder().raw_decode, codecs.getincrementaldecoder("utf-8")()
+    buf, pos, line, eof = "", 0, 1, False  # `line` is the line buf[pos] is on
+
+    with open(path, "rb") as f:
+        def fill() -> None:
+            nonlocal buf, pos, eof
+            raw = f.read(_CHUNK)
+            try:
+                text = utf8.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                at = line + buf.count("\n", pos) + e.object[:e.start].count(b"\n")
+                raise DataError(f"{path}:{at}: invalid UTF-8") from None
+            buf, pos, eof = buf[pos:] + text, 0, not raw
+
+        def peek() -> str:  # the next non-blank character, "" at the end of the file
+            nonlocal pos, line
+            while True:
+                end = _BLANK.match(buf, pos).end()
+                line, pos = line + buf.count("\n", pos, end), end
+                if pos < len(buf) or eof:
+                    return buf[pos:pos + 1]
+                fill()
+
+        if peek() != "[":
+            raise DataError(f"{path}:{line}: expected JSON Lines or a JSON array, got {peek()!r}")
+        pos += 1
+        n = 0
+        while (c := peek()) != "]":
+            if n:
+                if c != ",":
+                    raise DataError(f"{path}:{line}: invalid JSON (expected ',' or ']' after row {n}, "
+                                    f"got {c or 'the end of the file'!r})")
+                pos += 1
+                peek()
+            while True:  # decode one element, reading more while it may just be cut off
+                try:
+                    obj, end = decode(buf, pos)
+                    if end < len(buf) or eof:
+                        break
+                except json.JSONDecodeError as e:
+                    if eof or len(buf) - pos > _MAX_ELEMENT:
+                        at = line + buf.count("\n", pos, e.pos)
+                        raise DataError(f"{path}:{at}: row {n + 1}: invalid JSON ({e.msg})") from None
+                fill()
+            n += 1
+            row = _Row(f"{path}:{line}: row {n}", n)
+            yield row, _object(row, obj)
+            line, pos = line + buf.count("\n", pos, end), end
+        pos += 1
+        if peek():
+            raise DataError(f"{path}:{line}: unexpected data after the JSON array")
+
+
+def _table(where: str, batches: Iterable) -> Source:
+    """Rows of Arrow record batches/tables, turned into Python objects _BATCH rows at a time."""
+    n = 0
+    for batch in batches:
+        for i in range(0, batch.num_rows, _BATCH):
+            for obj in batch.slice(i, _BATCH).to_pylist():
+                n += 1
+                yield _Row(f"{where}: row {n}", n), obj
+
+
+def _parquet(path: Path) -> Iterator:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except pa.ArrowInvalid as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    yield from file.iter_batches(batch_size=_BATCH)
+
+
+def _arrow(path: Path) -> Iterator:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as src:
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise _Row(str(path), n).error(None, f"invalid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise _Row(str(path), n).error(None, f"expected a JSON object, got {type(obj).__name__}")
-        yield n, obj
+            reader = pa.ipc.open_file(src)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:  # `datasets` writes the streaming format
+            src.seek(0)
+            try:
+                batches = pa.ipc.open_stream(src)
+            except pa.ArrowInvalid as e:
+                raise DataError(f"{path}: not a readable Arrow file ({e})") from None
+        yield from batches
 
 
-def read_pretrain(path: str | Path) -> Iterator[str]:
-    """Documents: `{"text": str}` per JSONL line, or each non-empty line of a .txt file."""
-    if Path(path).suffix == ".txt":
-        yield from (line.rstrip("\r\n") for _, line in _lines(path) if line.strip())
-        return
-    for n, obj in iter_jsonl(path):
-        row = _Row(str(path), n)
-        yield row.text(row.get(obj, "text"), "text")
+def _saved_dataset(path: Path) -> Path:
+    """The save_to_disk directory to read: `path` itself, or a saved DatasetDict's "train"."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        if "train" not in splits:
+            raise DataError(f"{path}: a saved DatasetDict without a 'train' split (has {', '.join(splits)}); "
+                            f"pass the split's directory, e.g. {path / splits[0]}")
+        path = path / "train"
+    if not (path / "state.json").is_file() and not (path / "dataset_info.json").is_file():
+        raise DataError(f"{path}: a directory, but not one written by datasets' save_to_disk "
+                        "(no state.json or dataset_dict.json)")
+    return path
 
 
-def read_sft(path: str | Path) -> Iterator[list[Message]]:
-    """Conversations from `{"conversations": [...]}` (or `{"messages": [...]}`)."""
-    for n, obj in iter_jsonl(path):
-        key = "messages" if "messages" in obj and "conversations" not in obj else "conversations"
-        row = _Row(str(path), n)
-        yield row.messages(row.get(obj, key), key)
+def _load_from_disk(path: Path) -> Iterator:
+    import datasets  # slow to import; only here
+
+    yield from datasets.load_from_disk(str(path)).with_format("arrow").iter(batch_size=_BATCH)
 
 
-def read_dpo(path: str | Path) -> Iterator[tuple[list[Message], Message, Message]]:
+def _source(path: str | Path) -> Source:
+    p = Path(path)
+    if p.is_dir():
+        p = _saved_dataset(p)
+        return _table(str(p), _load_from_disk(p))
+    suffix = p.suffix.lower()
+    if suffix in (".parquet", ".arrow"):
+        return _table(str(p), (_parquet if suffix == ".parquet" else _arrow)(p))
+    if suffix == ".txt":
+        return _txt(p)
+    if suffix != ".jsonl":
+        with open(p, "rb") as f:
+            if f.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
+                return _json_array(p)
+    return _jsonl(p)
+
+
+# ---------------------------------------------------------------- readers
+
+def _read(path: str | Path, convert: Callable[[_Row, dict], Any], on_bad_row: str,
+          report: CleanReport | None) -> Iterator[tuple[int, Any]]:
+    """(row number, converted row), applying the bad-row policy; counts rows read into `report`."""
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW}, got {on_bad_row!r}")
+    if on_bad_row == "skip" and report is None:
+        raise ValueError("on_bad_row='skip' needs report= (a CleanReport) to count the rows it skips")
+    rows = _source(path)
+
+    def gen() -> Iterator[tuple[int, Any]]:
+        for row, obj in rows:
+            if report is not None:
+                report.rows += 1
+            try:
+                if isinstance(obj, DataError):
+                    raise obj
+                value = convert(row, obj)
+            except DataError as e:
+                if on_bad_row == "error":
+                    raise
+                report.drop("bad_row", str(e))
+                continue
+            yield row.n, value
+
+    return gen()
+
+
+def iter_rows(path: str | Path, *, on_bad_row: str = "error",
+              report: CleanReport | None = None) -> Iterator[tuple[int, dict]]:
+    """(row number, row dict) for each row of any supported input (see the module docstring)."""
+    return _read(path, lambda row, obj: obj, on_bad_row, report)
+
+
+def _pretrain(row: _Row, obj: dict) -> str:
+    return row.text(row.get(obj, "text"), "text")
+
+
+def _sft(row: _Row, obj: dict) -> list[Message]:
+    keys = ("conversations", "messages", "instruction")
+    key = next((k for k in keys if obj.get(k) is not None), None) or next((k for k in keys if k in obj), None)
+    if key is None:
+        raise row.error(None, "expected a 'conversations' or 'messages' list, or Alpaca 'instruction' and "
+                              f"'output'; got keys {', '.join(map(repr, obj)) or 'none'}")
+    return row.alpaca(obj) if key == "instruction" else row.messages(obj[key], key)
+
+
+def _dpo(row: _Row, obj: dict) -> tuple[list[Message], Message, Message]:
+    chosen_raw = obj.get("chosen")
+    if "prompt" in obj and not (isinstance(chosen_raw, list) and len(chosen_raw) > 1):
+        p = obj["prompt"]
+        if isinstance(p, list):
+            prompt = row.messages(p, "prompt", last="user")
+        elif isinstance(p, str):
+            prompt = [{"role": "user", "content": p}]
+        else:
+            raise row.error("prompt", f"expected a string or a list of messages, got {_kind(p)}")
+        return prompt, row.answer(row.get(obj, "chosen"), "chosen"), row.answer(row.get(obj, "rejected"), "rejected")
+    chosen = row.messages(row.get(obj, "chosen"), "chosen")
+    rejected = row.messages(row.get(obj, "rejected"), "rejected")
+    if len(chosen) < 2:
+        raise row.error("chosen", "needs at least one prompt message before the assistant answer")
+    if len(rejected) != len(chosen):
+        raise row.error("rejected", f"has {len(rejected)} messages, 'chosen' has {len(chosen)}; "
+                                    "both must be the same prompt plus one answer")
+    for i, (c, r) in enumerate(zip(chosen[:-1], rejected[:-1])):
+        if c != r:
+            raise row.error(f"rejected[{i}]", f"differs from 'chosen[{i}]'; all but the last message must be the "
+                                              "same prompt")
+    if chosen[-2]["role"] != "user":
+        raise row.error(f"chosen[{len(chosen) - 2}]", f"the prompt must end with 'user', got {chosen[-2]['role']!r}")
+    return chosen[:-1], chosen[-1], rejected[-1]
+
+
+def read_pretrain(path: str | Path, *, on_bad_row: str = "error",
+                  report: CleanReport | None = None) -> Iterator[str]:
+    """Documents: each row's "text" (each non-empty line of a .txt file)."""
+    return (v for _, v in _read(path, _pretrain, on_bad_row, report))
+
+
+def read_sft(path: str | Path, *, on_bad_row: str = "error",
+             report: CleanReport | None = None) -> Iterator[list[Message]]:
+    """Conversations from chat rows (`conversations` / `messages`, role/content or ShareGPT) or Alpaca rows."""
+    return (v for _, v in _read(path, _sft, on_bad_row, report))
+
+
+def read_dpo(path: str | Path, *, on_bad_row: str = "error",
+             report: CleanReport | None = None) -> Iterator[tuple[list[Message], Message, Message]]:
     """(prompt messages, chosen answer, rejected answer) per row."""
-    for n, obj in iter_jsonl(path):
-        row = _Row(str(path), n)
-        if "prompt" in obj:  # {"prompt": str, "chosen": str, "rejected": str}
-            prompt, chosen, rejected = (row.text(row.get(obj, k), k) for k in ("prompt", "chosen", "rejected"))
-            yield ([{"role": "user", "content": prompt}],
-                   {"role": "assistant", "content": chosen}, {"role": "assistant", "content": rejected})
-            continue
-        chosen = row.messages(row.get(obj, "chosen"), "chosen")
-        rejected = row.messages(row.get(obj, "rejected"), "rejected")
-        if len(chosen) < 2:
-            raise row.error("chosen", "needs at least one prompt message before the assistant answer")
-        if len(rejected) != len(chosen):
-            raise row.error("rejected", f"has {len(rejected)} messages, 'chosen' has {len(chosen)}; "
-                                        "both must be the same prompt plus one answer")
-        for i, (c, r) in enumerate(zip(chosen[:-1], rejected[:-1])):
-            if c != r:
-                raise row.error(f"rejected[{i}]", f"differs from 'chosen[{i}]'; "
-                                                  "all but the last message must be the same prompt")
-        yield chosen[:-1], chosen[-1], rejected[-1]
+    return (v for _, v in _read(path, _dpo, on_bad_row, report))

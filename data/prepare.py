@@ -5,9 +5,10 @@ import json
 import shutil
 from pathlib import Path
 
-from artifacts import sha256_file
+from artifacts import sha256_path
 from configs.schema import DataConfig
 from data import formats, synthetic
+from data.cleaning import CleanReport
 from data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
@@ -21,8 +22,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
     """Generate the synthetic splits the user didn't supply; validate every split by reading it.
 
-    User files stay where they are; `sources.json` records each split's path and sha256, so
-    the artifact digest changes whenever a user file does.
+    User files stay where they are; `sources.json` records each split's path, sha256 and the
+    cleaning settings, so the artifact digest changes whenever a user file or a setting does.
+    With on_bad_row=skip, malformed rows are counted per split (nothing is dropped silently).
     """
     out_dir = Path(out_dir)
     user = {s: getattr(cfg, s) for s in SPLITS if getattr(cfg, s) is not None}
@@ -34,24 +36,33 @@ def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
         for s in user:
             generated.pop(s, None)
             (out_dir / f"{s}.jsonl").unlink(missing_ok=True)
-    sources, counts = {}, {}
+    sources, metrics = {}, {}
     for split, reader in SPLITS.items():
         path = Path(user[split]).resolve() if split in user else Path(generated[split]).resolve()
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"data.{split}: {path} does not exist")
-        counts[split] = sum(1 for _ in reader(path))
-        if counts[split] == 0:
-            raise ValueError(f"data.{split}: {path} has no rows")
-        sources[split] = {"path": path.name if split not in user else str(path),
-                          "sha256": sha256_file(path), "rows": counts[split], "user": split in user}
-    (out_dir / SOURCES).write_text(json.dumps(sources, indent=2))
-    return {f"rows_{k}": v for k, v in counts.items()}
+        report = CleanReport()
+        good = sum(1 for _ in reader(path, on_bad_row=cfg.on_bad_row, report=report))
+        if good == 0:
+            raise ValueError(f"data.{split}: {path} has no usable rows ({report})")
+        sources[split] = {"path": path.name if split not in user else str(path), "sha256": sha256_path(path),
+                          "rows": report.rows, "bad_rows": report.dropped.get("bad_row", 0), "user": split in user}
+        metrics[f"rows_{split}"] = report.rows
+        if report.dropped:
+            metrics[f"bad_rows_{split}"] = report.dropped.get("bad_row", 0)
+    settings = {k: getattr(cfg, k) for k in ("on_bad_row", "dedup", "min_tokens", "overlong")}
+    (out_dir / SOURCES).write_text(json.dumps({"splits": sources, "cleaning": settings}, indent=2))
+    return metrics
+
+
+def split_source(data_dir: Path, split: str) -> tuple[Path, str]:
+    """Where a prepared split's rows live (inside the artifact, or the user's own file) and their sha256."""
+    entry = json.loads((Path(data_dir) / SOURCES).read_text())["splits"][split]
+    return (Path(entry["path"]) if entry["user"] else Path(data_dir) / entry["path"]), entry["sha256"]
 
 
 def split_path(data_dir: Path, split: str) -> Path:
-    """Where a prepared split's rows live (inside the artifact, or the user's own file)."""
-    entry = json.loads((Path(data_dir) / SOURCES).read_text())[split]
-    return Path(entry["path"]) if entry["user"] else Path(data_dir) / entry["path"]
+    return split_source(data_dir, split)[0]
 
 
 def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model: Path | None = None,

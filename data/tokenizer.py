@@ -26,6 +26,8 @@ from typing import Iterator
 
 import sentencepiece as spm
 
+from data.formats import read_pretrain
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 # id order is fixed: 0 unk, 1 bos, 2 eos, 3 pad, 4 <|im_start|>, 5 <|im_end|>.
@@ -50,20 +52,9 @@ _ISOLATE = re.compile(r"([A-Za-z0-9\n])")
 _ALPHABET = _DELIM.join("\n" + string.ascii_letters + string.digits + string.punctuation)
 
 
-def _iter_texts(path: Path) -> Iterator[str]:
-    """Stream documents: `{"text": ...}` per line for .jsonl, the whole lines for .txt."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if path.suffix == ".jsonl":
-                if line.strip():
-                    yield json.loads(line)["text"]
-            else:
-                yield line
-
-
 def _training_sentences(text_files: list[Path]) -> Iterator[str]:
     for path in text_files:
-        for text in _iter_texts(Path(path)):
+        for text in read_pretrain(path):
             # Lines keep sentences short (the trainer drops sentences > 4192 bytes);
             # "\n" itself is in _ALPHABET and never merges, so nothing is lost.
             for line in text.split("\n"):
@@ -91,7 +82,7 @@ def train_tokenizer(
     seed: int = 0,
     max_sentences: int | None = None,
 ) -> Path:
-    """Train the BPE model on `text_files` (.jsonl with {"text": ...} or .txt) and write HF files to out_dir.
+    """Train the BPE model on `text_files` (any pretraining format data.formats reads) and write HF files.
 
     out_dir gets tokenizer.json, tokenizer_config.json, chat_template.jinja and the raw
     tokenizer.model. `max_sentences` trains on a seeded uniform sample of that many lines.

@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from data.batching import IGNORE
+from data.packing import IGNORE
 from model.lora import lora_disabled
 
 
 def _shifted(model, batch):
-    hidden = model.hidden_states(batch["input_ids"])[:, :-1]       # (B, T-1, C)
-    labels = batch["labels"][:, 1:]                                  # (B, T-1)
-    return hidden, labels
+    """Hidden states at positions 0..T-2 and the labels they predict (tokens 1..T-1)."""
+    doc_ids = batch["doc_ids"] if batch.get("packed") else None     # padded rows: plain causal attention
+    hidden = model.hidden_states(batch["input_ids"], batch.get("position_ids"), doc_ids)
+    return hidden[:, :-1], batch["labels"][:, 1:]                    # (B, T-1, C), (B, T-1)
 
 
 def causal_lm_loss(model, batch) -> tuple[torch.Tensor, dict]:
@@ -27,34 +28,41 @@ def causal_lm_loss(model, batch) -> tuple[torch.Tensor, dict]:
     return loss, {"loss": loss.detach(), "target_tokens": count}
 
 
-def sequence_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence sum of label log-probs (B,) and label counts (B,)."""
+def group_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of label log-probs and label count per document, shaped like batch["group_docs"].
+
+    Works for packed rows (several documents per row) and padded rows alike: each target
+    token is credited to the document (doc_ids) it belongs to.
+    """
     hidden, labels = _shifted(model, batch)
-    logp = kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels)
-    return logp.sum(-1), (labels != IGNORE).sum(-1)
+    logp = kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels)     # (B, T-1)
+    docs = batch["doc_ids"][:, 1:].flatten()
+    n = int(batch["group_docs"].max()) + 1
+    sums = logp.new_zeros(n).index_add(0, docs, logp.flatten())
+    counts = torch.zeros(n, dtype=torch.long, device=docs.device).index_add(0, docs, (labels != IGNORE).flatten().long())
+    return sums[batch["group_docs"]], counts[batch["group_docs"]]
 
 
 class DPOLoss:
     """Direct Preference Optimisation (Rafailov et al. 2023) + optional chosen-NLL term.
 
-    Batches hold chosen rows then rejected rows. The reference policy is the same weights with
-    the LoRA adapter disabled — no second model copy.
+    Batches hold (chosen, rejected) document pairs (`group_docs`). The reference policy is the
+    same weights with the LoRA adapter disabled — no second model copy.
     """
 
     def __init__(self, beta: float, nll_weight: float = 0.0):
         self.beta, self.nll_weight = beta, nll_weight
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        policy_logp, counts = sequence_logprobs(model, batch)
+        policy_logp, counts = group_logprobs(model, batch)                 # (pairs, 2)
         with torch.no_grad(), lora_disabled(model):
-            ref_logp, _ = sequence_logprobs(model, batch)
-        n = policy_logp.shape[0] // 2
-        chosen_reward = self.beta * (policy_logp[:n] - ref_logp[:n])
-        rejected_reward = self.beta * (policy_logp[n:] - ref_logp[n:])
+            ref_logp, _ = group_logprobs(model, batch)
+        rewards = self.beta * (policy_logp - ref_logp)
+        chosen_reward, rejected_reward = rewards[:, 0], rewards[:, 1]
         margin = chosen_reward - rejected_reward
         loss = -F.logsigmoid(margin).mean()
         if self.nll_weight:
-            loss = loss + self.nll_weight * (-policy_logp[:n].sum() / counts[:n].sum().clamp(min=1))
+            loss = loss + self.nll_weight * (-policy_logp[:, 0].sum() / counts[:, 0].sum().clamp(min=1))
         return loss, {
             "loss": loss.detach(),
             "reward_margin": margin.detach().mean(),

@@ -13,11 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kernels
-from configs.schema import Config, LoRAConfig
+from configs.schema import Config, LoRAConfig, TrainConfig
 from data import formats
-from data.batching import pad_batch, pad_pairs, pretrain_blocks, shuffled_batches, truncate
-from data.prepare import split_path
-from data.tokenizer import load_tokenizer, tokenize_chat
+from data.cleaning import CleanReport, clean_conversations, clean_pairs, clean_texts
+from data.packing import PackedBatches, padded_batches
+from data.prefetch import Prefetcher
+from data.prepare import split_source
+from data.sampler import EpochSampler
+from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
+from data.tokenizer import load_tokenizer
 from engine.losses import DPOLoss, causal_lm_loss
 from engine.trainer import Runtime, train
 from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
@@ -45,14 +49,46 @@ def _decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
                          tie_embeddings=m.tie_embeddings)
 
 
-def _pad_id(tok) -> int:
-    """Padding never gets a label and sits after every real token (causal), so any id works."""
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-
 def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
     if seq_len > model.config.max_seq_len:
         raise ValueError(f"{key}.seq_len {seq_len} exceeds model.max_seq_len {model.config.max_seq_len}")
+
+
+# ---------------------------------------------------------------- data
+
+def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Path, data_dir: Path,
+                 rt: Runtime) -> tuple[Prefetcher, dict]:
+    """Read → clean → tokenise once (cached, memory-mapped) → sample → pack → prefetch."""
+    dc = cfg.data
+    path, sha = split_source(data_dir, kind)
+    report = CleanReport()
+    read = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo}[kind]
+    rows = read(path, on_bad_row=dc.on_bad_row, report=report)
+    if kind == "pretrain":
+        examples = lm_examples(clean_texts(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
+                               min_tokens=dc.min_tokens, report=report)
+    elif kind == "sft":
+        examples = sft_examples(clean_conversations(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
+                                overlong=dc.overlong, min_tokens=dc.min_tokens, report=report)
+    else:
+        examples = dpo_examples(clean_pairs(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
+                                overlong=dc.overlong, report=report)
+    settings = {"seq_len": tc.seq_len, "min_tokens": dc.min_tokens, "overlong": dc.overlong, "dedup": dc.dedup,
+                "on_bad_row": dc.on_bad_row}
+    store = tokenized(kind, sha, tokenizer_dir, examples, cache_root=cfg.runs_dir.resolve() / ".cache" / "tokens",
+                      settings=settings, report=report)
+    group = store.meta["group_size"]
+    if len(store) < group:
+        raise ValueError(f"{kind}: no training examples left after cleaning: {store.meta.get('clean')}")
+    order = iter(EpochSampler.from_env(len(store) // group, seed=tc.seed))
+    if tc.packing:
+        batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+    else:
+        batches = padded_batches(store, order, batch_size=tc.batch_size, group_size=group)
+    clean = store.meta.get("clean", {})
+    log.info("%s: %d examples, %d tokens (%s); clean: %s", kind, len(store) // group, int(store.lengths().sum()),
+             "packed" if tc.packing else "padded", clean)
+    return Prefetcher(batches, depth=tc.prefetch, device=rt.device), {"examples": len(store) // group, "clean": clean}
 
 
 # ---------------------------------------------------------------- adapters on disk
@@ -87,13 +123,12 @@ def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) ->
     model = Decoder(_decoder_config(cfg, len(tok)))
     tc = cfg.pretrain
     _check_seq_len(tc.seq_len, model, "pretrain")
-    docs = (tok.encode(text, add_special_tokens=False) for text in formats.read_pretrain(split_path(data_dir, "pretrain")))
-    blocks = pretrain_blocks(docs, tc.seq_len, tok.eos_token_id)
-    log.info("pretrain: %d blocks of %d tokens, %.2fM parameters", len(blocks), tc.seq_len, model.num_params() / 1e6)
-    batches = shuffled_batches(blocks, tc.batch_size, lambda b: pad_batch(b, _pad_id(tok)), tc.seed)
-    summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
+    log.info("pretrain: %.2fM parameters", model.num_params() / 1e6)
+    batches, data = token_stream(cfg, "pretrain", tc, tok, tokenizer_dir, data_dir, rt)
+    with batches:
+        summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
     save_native(model.cpu(), out_dir)
-    return {**summary, "params": model.num_params(), "blocks": len(blocks)}
+    return {**summary, "params": model.num_params(), **data}
 
 
 def import_base(cfg: Config, out_dir: Path) -> dict:
@@ -103,19 +138,6 @@ def import_base(cfg: Config, out_dir: Path) -> dict:
     return {"source": str(cfg.base_model), "params": model.num_params()}
 
 
-def _sft_examples(tok, path: Path, seq_len: int) -> list:
-    examples, dropped = [], 0
-    for messages in formats.read_sft(path):
-        ids, labels = truncate(tokenize_chat(tok, messages), seq_len)
-        if any(lab != -100 for lab in labels[1:]):
-            examples.append((ids, labels))
-        else:
-            dropped += 1
-    if dropped:
-        log.warning("sft: %d examples had no assistant tokens within seq_len %d and were dropped", dropped, seq_len)
-    return examples
-
-
 def sft(cfg: Config, base_dir: Path, tokenizer_dir: Path, data_dir: Path, out_dir: Path) -> dict:
     rt = setup(cfg, cfg.sft.seed)
     tok = load_tokenizer(tokenizer_dir)
@@ -123,13 +145,12 @@ def sft(cfg: Config, base_dir: Path, tokenizer_dir: Path, data_dir: Path, out_di
     model = load_native(base_dir)
     _check_seq_len(tc.seq_len, model, "sft")
     inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout)
-    examples = _sft_examples(tok, split_path(data_dir, "sft"), tc.seq_len)
-    log.info("sft: %d examples, %.3fM trainable of %.2fM", len(examples),
-             model.num_params(True) / 1e6, model.num_params() / 1e6)
-    batches = shuffled_batches(examples, tc.batch_size, lambda b: pad_batch(b, _pad_id(tok)), tc.seed)
-    summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
+    log.info("sft: %.3fM trainable of %.2fM", model.num_params(True) / 1e6, model.num_params() / 1e6)
+    batches, data = token_stream(cfg, "sft", tc, tok, tokenizer_dir, data_dir, rt)
+    with batches:
+        summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
     save_adapter(model.cpu(), tc.lora, out_dir)
-    return {**summary, "examples": len(examples), "trainable_params": model.num_params(True)}
+    return {**summary, **data, "trainable_params": model.num_params(True)}
 
 
 def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_dir: Path, out_dir: Path) -> dict:
@@ -140,12 +161,9 @@ def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_di
     model = load_policy(base_dir, sft_dir)
     _check_seq_len(tc.seq_len, model, "dpo")
     inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout)
-    pairs = []
-    for prompt, chosen, rejected in formats.read_dpo(split_path(data_dir, "dpo")):
-        pairs.append((truncate(tokenize_chat(tok, prompt + [chosen]), tc.seq_len),
-                      truncate(tokenize_chat(tok, prompt + [rejected]), tc.seq_len)))
-    log.info("dpo: %d pairs, beta %.3g, nll_weight %.3g", len(pairs), tc.beta, tc.nll_weight)
-    batches = shuffled_batches(pairs, tc.batch_size, lambda b: pad_pairs(b, _pad_id(tok)), tc.seed)
-    summary = train(model, DPOLoss(tc.beta, tc.nll_weight), batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
+    log.info("dpo: beta %.3g, nll_weight %.3g", tc.beta, tc.nll_weight)
+    batches, data = token_stream(cfg, "dpo", tc, tok, tokenizer_dir, data_dir, rt)
+    with batches:
+        summary = train(model, DPOLoss(tc.beta, tc.nll_weight), batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
     save_adapter(model.cpu(), tc.lora, out_dir)
-    return {**summary, "pairs": len(pairs), "trainable_params": model.num_params(True)}
+    return {**summary, **data, "trainable_params": model.num_params(True)}

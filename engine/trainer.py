@@ -1,5 +1,8 @@
 """The one training loop shared by pretrain, SFT and DPO; only the loss function differs.
 
+Logged per window: loss and the loss's own metrics, tokens/s (real tokens), token efficiency
+(real / computed token slots) and io-wait (seconds per step spent waiting for a batch).
+
 Sections: setup → per optimizer step (accumulate micro-batches, clip, step, schedule) → log.
 Runs without Prefect (`python -m engine ...`, torchrun later); progress goes to `logging`
 and to a metrics.jsonl the stage keeps.
@@ -52,7 +55,7 @@ class Runtime:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg: TrainConfig, rt: Runtime,
@@ -64,7 +67,8 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
     trainable = [p for p in model.parameters() if p.requires_grad]
     metrics_file = open(metrics_path, "a", encoding="utf-8") if metrics_path else None
     window: dict[str, float] = {}
-    window_tokens, window_start, t0, total_tokens = 0, time.perf_counter(), time.perf_counter(), 0
+    window_tokens = window_capacity = 0
+    window_wait, window_start, t0, total_tokens = 0.0, time.perf_counter(), time.perf_counter(), 0
     summary: dict = {}
     try:
         for step in range(cfg.max_steps):
@@ -73,7 +77,9 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
             for group in opt.param_groups:
                 group["lr"] = lr
             for micro in range(cfg.grad_accum):
+                wait_start = time.perf_counter()
                 batch = _to_device(next(batches), rt.device)
+                window_wait += time.perf_counter() - wait_start
                 with rt.autocast():
                     loss, metrics = loss_fn(model, batch)
                 if not torch.isfinite(loss):
@@ -84,6 +90,7 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
                 for k, v in metrics.items():
                     window[k] = window.get(k, 0.0) + float(v) / cfg.grad_accum
                 window_tokens += int(batch["num_tokens"])
+                window_capacity += int(batch["capacity"]) if "capacity" in batch else batch["input_ids"].numel()
             scaler.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
             scaler.step(opt)
@@ -97,7 +104,8 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
                 summary = {k: v / n for k, v in window.items()}
                 total_tokens += window_tokens
                 summary.update(step=step + 1, lr=lr, tokens_per_s=window_tokens / max(elapsed, 1e-9),
-                               tokens=total_tokens, elapsed_s=time.perf_counter() - t0)
+                               token_efficiency=window_tokens / max(window_capacity, 1),
+                               io_wait_s=window_wait / n, tokens=total_tokens, elapsed_s=time.perf_counter() - t0)
                 log.info("step %d/%d %s", step + 1, cfg.max_steps,
                          " ".join(f"{k}={v:.4g}" for k, v in summary.items() if k not in ("step",)))
                 if metrics_file:
@@ -105,7 +113,8 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
                     metrics_file.flush()
                 if on_log:
                     on_log(summary)
-                window, window_tokens, window_start = {}, 0, time.perf_counter()
+                window, window_tokens, window_capacity, window_wait = {}, 0, 0, 0.0
+                window_start = time.perf_counter()
     finally:
         if metrics_file:
             metrics_file.close()

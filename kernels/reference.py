@@ -31,6 +31,24 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids → (B, 1, T, T) bool mask: attend to earlier tokens of the same document.
+
+    Padding (id 0) attends to earlier padding only, so no row of the mask is empty (no NaNs).
+    """
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention, optionally confined to documents. q (B, H, T, D); k, v (B, Hkv, T, D)."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -42,10 +60,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     return F.linear(x, weight) + scale * F.linear(F.linear(lora_in, lora_a), lora_b)
 
 
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits are upcast to fp32 for the softmax; fp32/fp64 stay as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token NLL over labelled positions and their count. hidden (N, C), labels (N,)."""
-    logits = F.linear(hidden, weight).float()
+    logits = _upcast(F.linear(hidden, weight))
     loss_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     return loss_sum, (labels != ignore_index).sum()
 
@@ -53,7 +76,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           ignore_index: int = -100) -> torch.Tensor:
     """log p(label) per position (0 where label == ignore_index). hidden (B, T, C), labels (B, T)."""
-    logits = F.linear(hidden, weight).float()
+    logits = _upcast(F.linear(hidden, weight))
     mask = labels != ignore_index
     safe = labels.masked_fill(~mask, 0)
     logp = torch.gather(logits.log_softmax(-1), -1, safe[..., None]).squeeze(-1)

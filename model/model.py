@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kernels
 
@@ -59,13 +58,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = kernels.apply_rope(q, k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)
 
 
@@ -88,8 +87,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,19 +115,25 @@ class Decoder(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-norm hidden states (B, T, C); the loss heads apply lm_head themselves (fusable)."""
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, C); the loss heads apply lm_head themselves (fusable).
+
+        With `doc_ids` (packed rows), attention stays inside each document.
+        """
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = kernels.rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
         x = self.model.embed_tokens(input_ids)                                    # (B, T, C)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.model.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids))          # (B, T, V)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids, doc_ids))  # (B, T, V)
 
     def num_params(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)

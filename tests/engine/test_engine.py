@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import engine.losses as losses
 from configs.schema import TrainConfig
-from engine.losses import DPOLoss, causal_lm_loss, sequence_logprobs
+from engine.losses import DPOLoss, causal_lm_loss, group_logprobs
 from engine.optim import build_optimizer, lr_at
 from engine.trainer import NonFiniteLossError, Runtime, train
 from model import Decoder, DecoderConfig, inject_lora
@@ -133,10 +133,13 @@ def test_causal_lm_loss_all_ignored_is_zero_not_nan():
     assert loss.item() == 0.0 and metrics["target_tokens"].item() == 0
 
 
-def test_sequence_logprobs_matches_manual():
+def test_group_logprobs_matches_manual():
     m = tiny()
     b = batch(B=2, T=8, ignore_prefix=3)
-    logp, counts = sequence_logprobs(m, b)
+    b["doc_ids"] = torch.tensor([[1] * 8, [2] * 8])
+    b["group_docs"] = torch.tensor([[1], [2]])
+    logp, counts = group_logprobs(m, b)
+    logp, counts = logp[:, 0], counts[:, 0]
     lp = m(b["input_ids"]).log_softmax(-1)[:, :-1]
     labels = b["labels"][:, 1:]
     manual = torch.stack([sum(lp[r, t, labels[r, t]] for t in range(7) if labels[r, t] != -100) for r in range(2)])
@@ -149,6 +152,8 @@ def pair_batch(seed=0):
     b = batch(B=4, T=10, seed=seed, ignore_prefix=4)
     b["input_ids"][2:, :4] = b["input_ids"][:2, :4]
     b["labels"][2:, :4] = -100
+    b["doc_ids"] = torch.arange(1, 5)[:, None].expand(4, 10).clone()   # one document per row
+    b["group_docs"] = torch.tensor([[1, 3], [2, 4]])                   # (chosen, rejected) per pair
     return b
 
 
@@ -160,7 +165,7 @@ def test_dpo_at_init_margin_zero_loss_log2(nll_weight):
     loss, metrics = DPOLoss(beta=0.1, nll_weight=nll_weight)(m, b)
     assert metrics["reward_margin"].item() == pytest.approx(0.0, abs=1e-6)
     assert metrics["preference_accuracy"].item() == 0.0
-    chosen = {k: (v[:2] if v.ndim else v) for k, v in b.items()}
+    chosen = {k: (v[:2] if v.ndim else v) for k, v in b.items() if k != "group_docs"}
     nll = causal_lm_loss(m, chosen)[0].item()
     assert loss.item() == pytest.approx(math.log(2) + nll_weight * nll, rel=1e-5)
 
@@ -178,8 +183,9 @@ def test_dpo_matches_manual_formula_on_hand_built_logprobs(monkeypatch):
         enabled = {mod.enabled for mod in lora_modules(model).values()}
         assert len(enabled) == 1
         calls.append(enabled.pop())
-        return (policy if calls[-1] else ref), counts
-    monkeypatch.setattr(losses, "sequence_logprobs", fake)
+        grouped = (policy if calls[-1] else ref).view(2, 2).t()      # [[c0, r0], [c1, r1]]
+        return grouped, counts.view(2, 2).t()
+    monkeypatch.setattr(losses, "group_logprobs", fake)
 
     beta, w = 0.5, 0.25
     loss, metrics = DPOLoss(beta, w)(m, pair_batch())
@@ -211,10 +217,10 @@ def test_dpo_reference_is_the_base_weights_of_the_same_model():
     b = pair_batch()
     beta = 0.3
     loss, metrics = DPOLoss(beta)(m, b)
-    pol, _ = sequence_logprobs(m, b)
+    pol, _ = group_logprobs(m, b)
     with torch.no_grad():
-        ref, _ = sequence_logprobs(base, b)
-    margin = beta * ((pol[:2] - ref[:2]) - (pol[2:] - ref[2:]))
+        ref, _ = group_logprobs(base, b)
+    margin = beta * ((pol[:, 0] - ref[:, 0]) - (pol[:, 1] - ref[:, 1]))
     torch.testing.assert_close(loss, -F.logsigmoid(margin).mean(), atol=1e-6, rtol=1e-5)
     assert abs(metrics["reward_margin"].item()) > 1e-3
     loss.backward()     # reference is under no_grad: only the adapter gets gradients, base none

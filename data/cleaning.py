@@ -1,0 +1,144 @@
+"""Row-level cleaning, with every dropped row counted by reason: nothing is lost silently.
+
+One `CleanReport` follows a split through the pipeline. Readers count the rows they read
+(`rows`), every stage that drops a row calls `drop(reason, message)`, and the stage that finally
+keeps a row (the tokeniser) counts it in `kept`; at the end rows == kept + sum(dropped):
+    report = CleanReport()
+    convs = clean_conversations(read_sft(path, on_bad_row="skip", report=report), dedup=True, report=report)
+    for conv in convs:                      # the tokenisation step adds the token-level reasons
+        if too_short: report.drop("min_tokens", msg); continue
+        if too_long: cut it; report.truncated += 1
+        report.kept += 1
+
+Reasons: "bad_row" (a malformed row skipped by a reader, data.formats), "empty" (empty or
+whitespace-only text / assistant answer), "duplicate" (exact repeat of an earlier row, with
+dedup=True), "identical_pair" (DPO chosen == rejected); "min_tokens", "overlong" and the like
+come from the tokenisation step.
+
+Dedup keeps one 16-byte blake2b digest per kept row (about 100 bytes each in a Python set, so
+~1 GB for 10M rows), not the rows themselves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+MAX_EXAMPLES = 5    # example messages kept per reason
+EXAMPLE_CHARS = 300  # each example is cut to this length
+
+Message = dict  # {"role": str, "content": str}
+
+
+@dataclass
+class CleanReport:
+    """What happened to one split's rows: read, kept, dropped per reason, truncated.
+
+    `rows`: counted by the readers in data.formats (every row read, good or bad).
+    `kept`: counted by the last stage, the one that keeps a row for good.
+    """
+
+    rows: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def drop(self, reason: str, message: str = "") -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if message:
+            self._example(reason, message)
+
+    def _example(self, reason: str, message: str) -> None:
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < MAX_EXAMPLES:
+            shown.append(message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS - 1] + "…")
+
+    def merge(self, other: CleanReport) -> None:
+        """Add another report's counts (e.g. one per input file) into this one."""
+        self.rows += other.rows
+        self.kept += other.kept
+        self.truncated += other.truncated
+        for reason, n in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + n
+        for reason, messages in other.examples.items():
+            for m in messages:
+                self._example(reason, m)
+
+    def as_dict(self) -> dict:
+        """JSON-able, for metrics, manifests and Prefect artifacts."""
+        return {"rows": self.rows, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
+                "truncated": self.truncated, "examples": {k: list(v) for k, v in sorted(self.examples.items())}}
+
+    def __str__(self) -> str:
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
+        return f"kept {self.kept} of {self.rows} rows; dropped: {drops}; truncated {self.truncated}"
+
+
+def _digest(value) -> bytes:
+    data = value.encode() if isinstance(value, str) else json.dumps(value, ensure_ascii=False).encode()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _preview(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class _Seen:
+    """Digests of what was kept; `repeat(x)` is True if x came before (and remembers x otherwise)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.digests = enabled, set()
+
+    def repeat(self, key) -> bool:
+        if not self.enabled:
+            return False
+        d = _digest(key)
+        if d in self.digests:
+            return True
+        self.digests.add(d)
+        return False
+
+
+def clean_texts(texts: Iterable[str], *, dedup: bool, report: CleanReport) -> Iterator[str]:
+    """Drop empty/whitespace-only documents and (with dedup) exact repeats."""
+    seen = _Seen(dedup)
+    for text in texts:
+        if not text.strip():
+            report.drop("empty", repr(text))
+        elif seen.repeat(text):
+            report.drop("duplicate", text)
+        else:
+            yield text
+
+
+def clean_conversations(convs: Iterable[list[Message]], *, dedup: bool,
+                        report: CleanReport) -> Iterator[list[Message]]:
+    """Drop conversations with an empty assistant turn (or none) and (with dedup) exact repeats."""
+    seen = _Seen(dedup)
+    for conv in convs:
+        answers = [m["content"] for m in conv if m["role"] == "assistant"]
+        if not answers or not all(a.strip() for a in answers):
+            report.drop("empty", _preview(conv))
+        elif seen.repeat([(m["role"], m["content"]) for m in conv]):
+            report.drop("duplicate", _preview(conv))
+        else:
+            yield conv
+
+
+def clean_pairs(pairs: Iterable[tuple[list[Message], Message, Message]], *, dedup: bool,
+                report: CleanReport) -> Iterator[tuple[list[Message], Message, Message]]:
+    """Drop DPO pairs with an empty answer, chosen == rejected (ignoring surrounding whitespace),
+    and (with dedup) exact repeats of prompt + both answers."""
+    seen = _Seen(dedup)
+    for prompt, chosen, rejected in pairs:
+        c, r = chosen["content"].strip(), rejected["content"].strip()
+        if not c or not r:
+            report.drop("empty", _preview([prompt, chosen, rejected]))
+        elif c == r:
+            report.drop("identical_pair", _preview([prompt, chosen, rejected]))
+        elif seen.repeat([[(m["role"], m["content"]) for m in prompt], chosen["content"], rejected["content"]]):
+            report.drop("duplicate", _preview([prompt, chosen, rejected]))
+        else:
+            yield prompt, chosen, rejected

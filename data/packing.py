@@ -12,6 +12,7 @@ Batch dict (int64 tensors unless noted):
     packed                                     bool: rows hold several documents (needs the doc mask)
     capacity                                   rows × seq_len
     group_docs                                 (n_groups, group_size) doc ids of each group, in order
+    data_state                                 dict: sampler + look-ahead state right after this batch
 """
 from __future__ import annotations
 
@@ -103,6 +104,11 @@ class PackedBatches:
     def __iter__(self):
         return self
 
+    def data_state(self) -> dict:
+        """Everything needed to continue exactly after the batch just built (sampler + buffer)."""
+        order_state = self.order.state_dict() if hasattr(self.order, "state_dict") else None
+        return {"order": order_state, "packer": self.state_dict()}
+
     def __next__(self) -> dict[str, torch.Tensor]:
         rows = []
         for _ in range(self.rows):
@@ -113,7 +119,9 @@ class PackedBatches:
                              for k in range(self.group_size)])
         if not rows:
             raise StopIteration
-        return place(rows, self.seq_len, self.group_size)
+        # Taken here, in the producer: with prefetching the consumer is behind the sampler, so a
+        # checkpoint must store the state that came with the last batch it trained on.
+        return {**place(rows, self.seq_len, self.group_size), "data_state": self.data_state()}
 
     def state_dict(self) -> dict:
         return {"buffer": list(self.buffer)}
@@ -129,4 +137,5 @@ def padded_batches(source: ExampleSource, order: Iterator[int], *, batch_size: i
         groups = [next(order) for _ in range(batch_size)]
         docs = [source.example(g * group_size + k) for g in groups for k in range(group_size)]
         width = max(len(ids) for ids, _ in docs)
-        yield place([[d] for d in docs], width, group_size, packed=False)
+        state = {"order": order.state_dict() if hasattr(order, "state_dict") else None, "packer": None}
+        yield {**place([[d] for d in docs], width, group_size, packed=False), "data_state": state}

@@ -69,6 +69,7 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
     window: dict[str, float] = {}
     window_tokens = window_capacity = 0
     window_wait, window_start, t0, total_tokens = 0.0, time.perf_counter(), time.perf_counter(), 0
+    total_capacity, total_wait = 0, 0.0
     summary: dict = {}
     try:
         for step in range(cfg.max_steps):
@@ -103,9 +104,15 @@ def train(model: torch.nn.Module, loss_fn: LossFn, batches: Iterator[dict], cfg:
                 n = window.pop("steps")
                 summary = {k: v / n for k, v in window.items()}
                 total_tokens += window_tokens
+                total_capacity += window_capacity
+                total_wait += window_wait
+                total_elapsed = time.perf_counter() - t0
                 summary.update(step=step + 1, lr=lr, tokens_per_s=window_tokens / max(elapsed, 1e-9),
                                token_efficiency=window_tokens / max(window_capacity, 1),
-                               io_wait_s=window_wait / n, tokens=total_tokens, elapsed_s=time.perf_counter() - t0)
+                               io_wait_s=window_wait / n, tokens=total_tokens, elapsed_s=total_elapsed,
+                               stage_tokens_per_s=total_tokens / max(total_elapsed, 1e-9),
+                               stage_token_efficiency=total_tokens / max(total_capacity, 1),
+                               stage_io_wait_s=total_wait)
                 log.info("step %d/%d %s", step + 1, cfg.max_steps,
                          " ".join(f"{k}={v:.4g}" for k, v in summary.items() if k not in ("step",)))
                 if metrics_file:

@@ -184,3 +184,27 @@ def test_group_logprobs_are_the_same_packed_and_padded():
     assert kp.keys() == kd.keys()
     for k in kp:
         torch.testing.assert_close(kp[k], kd[k], rtol=1e-9, atol=1e-9)
+
+
+def test_data_state_in_each_batch_resumes_exactly_through_prefetch():
+    """With prefetching the sampler runs ahead; the state carried by a batch is the one to save."""
+    from data.prefetch import Prefetcher
+    from data.sampler import EpochSampler
+
+    src = ListSource(_docs(60, seed=7))
+
+    def pipeline():
+        return PackedBatches(src, EpochSampler(60, seed=3), rows=2, seq_len=40, lookahead=16)
+    with Prefetcher(pipeline(), depth=3) as batches:
+        for _ in range(5):
+            last = next(batches)
+        saved = last["data_state"]
+        expected = [next(batches) for _ in range(8)]      # crosses into the next epoch
+
+    resumed = pipeline()
+    resumed.order.load_state_dict(saved["order"])
+    resumed.load_state_dict(saved["packer"])
+    for e in expected:
+        got = next(resumed)
+        for k in ("input_ids", "labels", "position_ids", "doc_ids"):
+            assert torch.equal(got[k], e[k])

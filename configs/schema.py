@@ -109,6 +109,7 @@ class TrainConfig(Section):
     seed: int = 0
     packing: bool = True    # several documents per row (block-diagonal attention); False = padded rows
     prefetch: int = Field(2, ge=0)   # batches built ahead in a background thread; 0 = inline
+    nonfinite: Literal["stop", "skip"] = "stop"   # NaN/inf loss: stop the stage, or skip the batch (counted)
 
 
 class SFTConfig(TrainConfig):
@@ -119,6 +120,16 @@ class DPOConfig(TrainConfig):
     lora: LoRAConfig = LoRAConfig()
     beta: float = Field(0.1, gt=0)
     nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation)
+
+
+class CheckpointConfig(Section):
+    """Training checkpoints under runs/<run>/checkpoints/<stage>-<config hash>/ (see engine/checkpoint.py)."""
+
+    save_every: int = Field(100, ge=0)             # weights + RNG + data position; 0 = only on SIGTERM/SIGINT
+    save_optimizer_every: int = Field(100, ge=1)   # optimizer state too (exact resume needs it)
+    keep_last: int = Field(2, ge=1)
+    async_save: bool = True                        # compress + write in a background thread
+    resume: Literal["auto", "never"] = "auto"      # auto: continue from the newest verified checkpoint
 
 
 class ServeConfig(Section):
@@ -148,6 +159,7 @@ class Config(Section):
     pretrain: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     dpo: DPOConfig = DPOConfig(lr=5e-5)
+    checkpoint: CheckpointConfig = CheckpointConfig()
     serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")

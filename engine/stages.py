@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import kernels
+from artifacts import read_manifest, sha256_json
 from configs.schema import Config, LoRAConfig, TrainConfig
 from data import formats
 from data.cleaning import CleanReport, clean_conversations, clean_pairs, clean_texts
@@ -23,12 +25,14 @@ from data.sampler import EpochSampler
 from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
 from data.tokenizer import load_tokenizer
 from engine.losses import DPOLoss, causal_lm_loss
+from engine.checkpoint import CheckpointManager
 from engine.trainer import Runtime, train
 from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
 from model.hf import load_hf_llama, load_native, save_native
 
 log = logging.getLogger("glm_lora.stages")
-ADAPTER_WEIGHTS, ADAPTER_CONFIG, METRICS = "adapter.safetensors", "adapter.json", "metrics.jsonl"
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter.safetensors", "adapter.json"
+METRICS, LOSSES = "metrics.jsonl", "losses.json"   # per-window metrics; the loss of every step
 
 
 def setup(cfg: Config, seed: int) -> Runtime:
@@ -57,8 +61,11 @@ def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
 # ---------------------------------------------------------------- data
 
 def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Path, data_dir: Path,
-                 rt: Runtime) -> tuple[Prefetcher, dict]:
-    """Read → clean → tokenise once (cached, memory-mapped) → sample → pack → prefetch."""
+                 rt: Runtime) -> tuple[Callable[[dict | None], Prefetcher], dict]:
+    """Read → clean → tokenise once (cached, memory-mapped) → sample → pack → prefetch.
+
+    Returns `make_batches(data_state)`: the batch stream, positioned by a checkpoint's data state.
+    """
     dc = cfg.data
     path, sha = split_source(data_dir, kind)
     report = CleanReport()
@@ -80,15 +87,60 @@ def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pa
     group = store.meta["group_size"]
     if len(store) < group:
         raise ValueError(f"{kind}: no training examples left after cleaning: {store.meta.get('clean')}")
-    order = iter(EpochSampler.from_env(len(store) // group, seed=tc.seed))
-    if tc.packing:
-        batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
-    else:
-        batches = padded_batches(store, order, batch_size=tc.batch_size, group_size=group)
+
+    def make_batches(data_state: dict | None) -> Prefetcher:
+        order = EpochSampler.from_env(len(store) // group, seed=tc.seed)
+        if data_state and data_state.get("order"):
+            order.load_state_dict(data_state["order"])
+        if tc.packing:
+            batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+            if data_state and data_state.get("packer"):
+                batches.load_state_dict(data_state["packer"])
+        else:
+            batches = padded_batches(store, order, batch_size=tc.batch_size, group_size=group)
+        return Prefetcher(batches, depth=tc.prefetch, device=rt.device)
+
     clean = store.meta.get("clean", {})
     log.info("%s: %d examples, %d tokens (%s); clean: %s", kind, len(store) // group, int(store.lengths().sum()),
              "packed" if tc.packing else "padded", clean)
-    return Prefetcher(batches, depth=tc.prefetch, device=rt.device), {"examples": len(store) // group, "clean": clean}
+    return make_batches, {"examples": len(store) // group, "clean": clean}
+
+
+# ---------------------------------------------------------------- training with checkpoints
+
+def checkpoint_dir(cfg: Config, stage: str, tc: TrainConfig, inputs: list[Path]) -> Path:
+    """Checkpoints of one stage configuration: a retry or a re-run after a crash finds them; any
+    change other than max_steps/log_every (or of an upstream artifact) starts a fresh directory."""
+    section = tc.model_dump(mode="json", exclude={"max_steps", "log_every"})
+    key = sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
+                       "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
+                       "inputs": [read_manifest(p)["digest"] for p in inputs]})
+    return cfg.run_dir / "checkpoints" / f"{stage}-{key[:12]}"
+
+
+def _train(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, tok, tokenizer_dir: Path, data_dir: Path,
+           inputs: list[Path], rt: Runtime, out_dir: Path) -> dict:
+    make_batches, data = token_stream(cfg, stage, tc, tok, tokenizer_dir, data_dir, rt)
+    ck = cfg.checkpoint
+    root = checkpoint_dir(cfg, stage, tc, inputs)
+    manager = CheckpointManager(root, keep_last=ck.keep_last, async_save=ck.async_save)
+    # Resuming across these would silently train something else: refuse, naming the key.
+    run_config = {"model": _decoder_config(cfg, len(tok)).to_dict() if stage == "pretrain" else None,
+                  "lora": tc.lora.model_dump(mode="json") if hasattr(tc, "lora") else None,
+                  "inputs": [read_manifest(p)["digest"] for p in inputs], "seq_len": tc.seq_len,
+                  "batch_size": tc.batch_size, "packing": tc.packing}
+    try:
+        summary = train(model, loss_fn, make_batches, tc, rt, name=stage, metrics_path=Path(out_dir) / METRICS,
+                        checkpoints=manager, ckpt_cfg=ck, run_config=run_config,
+                        structural_keys=["model", "lora", "inputs", "seq_len", "batch_size", "packing"])
+    finally:
+        manager.close()
+    (Path(out_dir) / LOSSES).write_text(json.dumps(summary.pop("losses")))
+    saves = manager.stats
+    if saves:
+        summary["checkpoint_saves"] = len(saves)
+        summary["checkpoint_max_stall_s"] = max(x["stall_s"] for x in saves)
+    return {**summary, **data, "checkpoints": str(root)}
 
 
 # ---------------------------------------------------------------- adapters on disk
@@ -124,11 +176,10 @@ def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) ->
     tc = cfg.pretrain
     _check_seq_len(tc.seq_len, model, "pretrain")
     log.info("pretrain: %.2fM parameters", model.num_params() / 1e6)
-    batches, data = token_stream(cfg, "pretrain", tc, tok, tokenizer_dir, data_dir, rt)
-    with batches:
-        summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
+    metrics = _train("pretrain", cfg, tc, model, causal_lm_loss, tok, tokenizer_dir, data_dir,
+                     [tokenizer_dir, data_dir], rt, out_dir)
     save_native(model.cpu(), out_dir)
-    return {**summary, "params": model.num_params(), **data}
+    return {**metrics, "params": model.num_params()}
 
 
 def import_base(cfg: Config, out_dir: Path) -> dict:
@@ -146,11 +197,10 @@ def sft(cfg: Config, base_dir: Path, tokenizer_dir: Path, data_dir: Path, out_di
     _check_seq_len(tc.seq_len, model, "sft")
     inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout)
     log.info("sft: %.3fM trainable of %.2fM", model.num_params(True) / 1e6, model.num_params() / 1e6)
-    batches, data = token_stream(cfg, "sft", tc, tok, tokenizer_dir, data_dir, rt)
-    with batches:
-        summary = train(model, causal_lm_loss, batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
+    metrics = _train("sft", cfg, tc, model, causal_lm_loss, tok, tokenizer_dir, data_dir,
+                     [base_dir, tokenizer_dir, data_dir], rt, out_dir)
     save_adapter(model.cpu(), tc.lora, out_dir)
-    return {**summary, **data, "trainable_params": model.num_params(True)}
+    return {**metrics, "trainable_params": model.num_params(True)}
 
 
 def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_dir: Path, out_dir: Path) -> dict:
@@ -162,8 +212,7 @@ def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_di
     _check_seq_len(tc.seq_len, model, "dpo")
     inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout)
     log.info("dpo: beta %.3g, nll_weight %.3g", tc.beta, tc.nll_weight)
-    batches, data = token_stream(cfg, "dpo", tc, tok, tokenizer_dir, data_dir, rt)
-    with batches:
-        summary = train(model, DPOLoss(tc.beta, tc.nll_weight), batches, tc, rt, metrics_path=Path(out_dir) / METRICS)
+    metrics = _train("dpo", cfg, tc, model, DPOLoss(tc.beta, tc.nll_weight), tok, tokenizer_dir, data_dir,
+                     [base_dir, sft_dir, tokenizer_dir, data_dir], rt, out_dir)
     save_adapter(model.cpu(), tc.lora, out_dir)
-    return {**summary, **data, "trainable_params": model.num_params(True)}
+    return {**metrics, "trainable_params": model.num_params(True)}

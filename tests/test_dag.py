@@ -158,3 +158,29 @@ def test_base_model_path_starts_at_sft(dag, tmp_path):
                                    atol=1e-5, rtol=1e-5)
     assert (run_dir / "export" / "merged" / "model.safetensors").is_file()
     assert result["export"]["digest"] == json.loads((run_dir / "export" / "manifest.json").read_text())["digest"]
+
+
+def test_a_stage_that_fails_mid_training_is_retried_by_prefect_and_resumes(dag, monkeypatch):
+    """SFT raises once at step 7; Prefect retries the task; training resumes from the step-6 checkpoint."""
+    import engine.trainer as trainer
+
+    real_step, calls = trainer.train_step, {"n": 0, "failed": False}
+
+    def flaky(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, step):
+        calls["n"] += 1
+        if step == 7 and not calls["failed"] and cfg.max_steps == 12:
+            calls["failed"] = True
+            raise RuntimeError("injected failure at step 7")
+        return real_step(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, step)
+    monkeypatch.setattr(trainer, "train_step", flaky)
+
+    overrides = {**dag["overrides"], "run_name": "retry", "serve.enabled": False, "sft.max_steps": 12,
+                 "dpo.max_steps": 2, "checkpoint.save_every": 2, "checkpoint.save_optimizer_every": 2,
+                 "checkpoint.async_save": False}
+    result, states = _run(overrides)
+    assert calls["failed"]
+    assert states["sft"] == "Completed"
+    # pretrain 60 + sft: steps 0..6 and the failing call, then 6..11 (resumed at 6, not 0) + dpo 2
+    assert calls["n"] == 60 + 8 + 6 + 2
+    losses = json.loads((Path(overrides["runs_dir"]) / "retry" / "sft" / "losses.json").read_text())
+    assert len(losses) == 12

@@ -243,7 +243,7 @@ def test_train_overfits_a_fixed_batch(tmp_path):
     m = tiny()
     b = batch(B=4, T=12)
     logs = []
-    summary = train(m, causal_lm_loss, itertools.repeat(b), cfg(max_steps=30, lr=1e-2, warmup_steps=3,
+    summary = train(m, causal_lm_loss, lambda _: itertools.repeat(b), cfg(max_steps=30, lr=1e-2, warmup_steps=3,
                     min_lr_ratio=0.1, grad_clip=1.0, log_every=1), CPU,
                     metrics_path=tmp_path / "metrics.jsonl", on_log=logs.append)
     losses_ = [r["loss"] for r in logs]
@@ -261,7 +261,7 @@ def test_train_overfits_a_fixed_batch(tmp_path):
 def test_train_logs_window_means():
     m = tiny()
     logs = []
-    train(m, causal_lm_loss, itertools.repeat(batch()), cfg(max_steps=5, log_every=2), CPU, on_log=logs.append)
+    train(m, causal_lm_loss, lambda _: itertools.repeat(batch()), cfg(max_steps=5, log_every=2), CPU, on_log=logs.append)
     assert [r["step"] for r in logs] == [2, 4, 5]
     assert logs[0]["tokens"] == 2 * 40 and logs[-1]["tokens"] == 5 * 40
 
@@ -271,7 +271,7 @@ def test_train_lora_dpo_learns_preference_and_keeps_base():
     base_sd = {k: v.clone() for k, v in m.state_dict().items()}
     inject_lora(m, ["q_proj", "v_proj", "up_proj", "down_proj"], r=4, alpha=8)
     logs = []
-    train(m, DPOLoss(beta=0.5), itertools.repeat(pair_batch()), cfg(max_steps=15, lr=2e-2), CPU,
+    train(m, DPOLoss(beta=0.5), lambda _: itertools.repeat(pair_batch()), cfg(max_steps=15, lr=2e-2), CPU,
           on_log=logs.append)
     assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert logs[-1]["loss"] < 0.5 * math.log(2)
@@ -290,14 +290,14 @@ def test_nan_loss_raises_naming_step_and_micro_batch():
         loss, metrics = causal_lm_loss(model, b)
         return (loss * float("nan") if calls["n"] == 6 else loss), metrics
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 2, micro-batch 1\b.*lr \(now 0.01\)"):
-        train(m, loss_fn, itertools.repeat(batch(B=2)), cfg(max_steps=5, grad_accum=2), CPU)
+        train(m, loss_fn, lambda _: itertools.repeat(batch(B=2)), cfg(max_steps=5, grad_accum=2), CPU)
     assert calls["n"] == 6
 
 
 def test_huge_lr_diverges_into_non_finite_loss_error():
     m = tiny()
     with pytest.raises(NonFiniteLossError, match=r"at step \d+, micro-batch 0"):
-        train(m, causal_lm_loss, itertools.repeat(batch()), cfg(max_steps=50, lr=1e10), CPU)
+        train(m, causal_lm_loss, lambda _: itertools.repeat(batch()), cfg(max_steps=50, lr=1e10), CPU)
 
 
 def test_grad_accum_matches_full_batch():
@@ -308,8 +308,8 @@ def test_grad_accum_matches_full_batch():
     common = dict(max_steps=3, lr=1e-2, weight_decay=0.1, grad_clip=0.05, warmup_steps=1, min_lr_ratio=0.5)
     a, b = tiny(seed=4), tiny(seed=4)
     la, lb = [], []
-    train(a, causal_lm_loss, iter(full), cfg(**common, batch_size=4, grad_accum=1), CPU, on_log=la.append)
-    train(b, causal_lm_loss, iter(halves), cfg(**common, batch_size=2, grad_accum=2), CPU, on_log=lb.append)
+    train(a, causal_lm_loss, lambda _: iter(full), cfg(**common, batch_size=4, grad_accum=1), CPU, on_log=la.append)
+    train(b, causal_lm_loss, lambda _: iter(halves), cfg(**common, batch_size=2, grad_accum=2), CPU, on_log=lb.append)
     for ra, rb in zip(la, lb, strict=True):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)   # Adam hides grad scale; this doesn't

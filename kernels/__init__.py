@@ -3,9 +3,9 @@
 Backends: "auto" picks the fastest measured implementation per op on the device (fused Triton
 ops arrive with the kernels issue); "reference" forces the torch path everywhere; "flex" uses
 FlexAttention block masks for packed (document-masked) attention on CUDA. Measured on the H200
-(bench/RESULTS.md): SDPA with a dense document mask ran 1.25× faster than FlexAttention for
-LoRA SFT at 8 × 2048 tokens, so "auto" keeps the dense mask; "flex" avoids the T×T mask's memory
-at long sequence lengths.
+(bench/RESULTS.md): for LoRA SFT at 8 × 2048 tokens the two were within run-to-run noise
+(flex/dense 0.80–1.14×), so "auto" keeps the simpler dense mask; "flex" avoids the T×T mask's
+memory at long sequence lengths.
 """
 from __future__ import annotations
 

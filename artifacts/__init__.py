@@ -40,6 +40,16 @@ def sha256_path(path: Path) -> str:
     return h.hexdigest()
 
 
+def source_hash(root: Path, packages: tuple[str, ...]) -> str:
+    """Short hash of the Python sources of `packages` under `root`: the code version of what they make."""
+    h = hashlib.sha256()
+    for pkg in packages:
+        for f in sorted((Path(root) / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 

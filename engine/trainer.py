@@ -25,11 +25,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from configs.schema import CheckpointConfig, TrainConfig
+from artifacts import sha256_json, source_hash
 from engine.checkpoint import CheckpointManager, capture_rng, config_diff, restore_rng
 from engine.optim import build_optimizer, lr_at
 
 log = logging.getLogger("glm_lora.engine")
 
+CODE_VERSION = source_hash(Path(__file__).resolve().parents[1], ("data", "engine", "kernels", "model"))
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 
 
@@ -266,7 +268,9 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
                     stall = checkpoints.save(
                         step, weights={n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
                         optimizer=opt.state_dict() if with_opt else None, rng=capture_rng(),
-                        trainer_state={**state, "config": run_config, "max_steps": cfg.max_steps})
+                        trainer_state={**state, "config": run_config, "config_hash": sha256_json(run_config),
+                                       "code_version": CODE_VERSION, "max_steps": cfg.max_steps,
+                                       "epoch": ((state["data_state"] or {}).get("order") or {}).get("epoch")})
                     log.info("%s: checkpoint at step %d (stall %.3f s%s)", name, step, stall,
                              ", with optimizer" if with_opt else "")
                 if stop.requested:

@@ -6,12 +6,11 @@ works with or without Prefect's result store, and a deleted or edited artifact i
 """
 from __future__ import annotations
 
-import hashlib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from artifacts import is_complete, read_manifest, sha256_json
+from artifacts import is_complete, read_manifest, sha256_json, source_hash
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINING_CODE = ("configs", "data", "engine", "kernels", "model")
@@ -39,12 +38,7 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
 @lru_cache(maxsize=None)
 def code_version(packages: tuple[str, ...]) -> str:
     """Hash of the given packages' Python sources."""
-    h = hashlib.sha256()
-    for pkg in packages:
-        for f in sorted((REPO / pkg).rglob("*.py")):
-            h.update(f.relative_to(REPO).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return source_hash(REPO, packages)
 
 
 def _pick(cfg: dict, dotted: str) -> Any:

@@ -1,0 +1,298 @@
+"""Held-out evaluation: plain functions over a model and a tokenizer (no Prefect here).
+
+- `lm_metrics`: loss, perplexity and bits per byte on plain text (pretraining).
+- `task_metrics`: greedy exact match per task family (SFT, and again after DPO).
+- `preference_metrics`: DPO implicit-reward accuracy and margin against the reference policy,
+  plus the plain log-prob ranking of chosen over rejected.
+- `rejected_match_rate`: how often the greedy answer *is* the rejected answer.
+- `compare_prompts`: a markdown table of several models' answers to the same prompts.
+
+Every function runs under torch.no_grad() with the model in eval mode (its mode is restored
+afterwards) and reuses the training code paths: tokenisation (data.tokenize), batch layout
+(data.packing) and the loss heads (engine.losses), so eval numbers mean what training numbers mean.
+"""
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from data.cleaning import CleanReport
+from data.formats import iter_rows, read_sft
+from data.packing import PackedBatches, padded_batches
+from data.synthetic import check_answer
+from data.tokenize import dpo_examples, lm_examples
+from engine.losses import causal_lm_loss, group_logprobs
+from model.lora import lora_disabled, lora_modules
+
+ALL = "all"  # the family of rows without a "task" field
+
+
+class _Examples:
+    """An in-memory ExampleSource (data.packing) over (ids, labels) lists."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]]):
+        self.examples = [(np.asarray(i, dtype=np.int64), np.asarray(lab, dtype=np.int64)) for i, lab in examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(i) for i, _ in self.examples], dtype=np.int64)
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.examples[i]
+
+
+@contextlib.contextmanager
+def _evaluating(model):
+    """no_grad + eval mode (no LoRA dropout), restoring the caller's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------- language modelling
+
+def lm_metrics(model, tok, texts: Iterable[str], *, seq_len: int, batch_rows: int = 8) -> dict:
+    """Held-out loss (mean NLL per predicted token, nats), perplexity and bits per byte.
+
+    Texts are tokenised exactly as for pretraining (lm_examples: </s> appended, split into
+    seq_len chunks) and packed into rows. bits_per_byte = total NLL / ln 2 / UTF-8 bytes of the
+    texts, which compares across tokenizers. (The first token of each chunk is context, never a
+    target, so its bytes are in the denominator without a loss: a slight underestimate, the same
+    for every model evaluated on the same texts with the same tokenizer.)
+    """
+    n_bytes = 0
+
+    def counted(it: Iterable[str]) -> Iterator[str]:
+        nonlocal n_bytes
+        for text in it:
+            n_bytes += len(text.encode("utf-8"))
+            yield text
+
+    examples = list(lm_examples(counted(texts), tok, seq_len=seq_len, min_tokens=1, report=CleanReport()))
+    if not examples:
+        raise ValueError("lm_metrics: no text to evaluate (every document was empty)")
+    batches = PackedBatches(_Examples(examples), iter(range(len(examples))), rows=batch_rows, seq_len=seq_len)
+    nll, tokens = 0.0, 0
+    device = _device(model)
+    with _evaluating(model):
+        for batch in batches:
+            loss, m = causal_lm_loss(model, _to(batch, device))
+            count = int(m["target_tokens"])
+            nll += float(loss) * count
+            tokens += count
+    loss = nll / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": nll / math.log(2) / n_bytes,
+            "tokens": tokens, "bytes": n_bytes, "documents": len(examples)}
+
+
+# ---------------------------------------------------------------- greedy decoding
+
+def _prompt_ids(tok, messages: list[dict]) -> list[int]:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int | None,
+                  batch_size: int = 64) -> list[list[int]]:
+    """Decoder.generate's greedy tokens for many prompts at once, batched without a KV cache.
+
+    Rows are right-padded: with causal attention a real token never sees the padding after it,
+    so no mask is needed and each row's next token is read at its own last position. Prompts
+    are sorted by length so a batch wastes little width, and finished rows leave the batch.
+    A prompt that would outgrow model.config.max_seq_len goes through model.generate itself,
+    which crops the context; so the output always equals model.generate's, prompt by prompt.
+    """
+    out: list[list[int]] = [[] for _ in prompts]
+    limit = model.config.max_seq_len
+    device = _device(model)
+    short = []
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens - 1 > limit:       # the last step's input would be cropped
+            out[i] = model.generate(p, max_new_tokens, eos_id=eos_id)
+        else:
+            short.append(i)
+    short.sort(key=lambda i: len(prompts[i]))
+    for s in range(0, len(short), batch_size):
+        idx = short[s:s + batch_size]
+        lens = torch.tensor([len(prompts[i]) for i in idx], device=device)
+        buf = torch.zeros(len(idx), int(lens.max()) + max_new_tokens, dtype=torch.long, device=device)
+        for r, i in enumerate(idx):
+            buf[r, :len(prompts[i])] = torch.tensor(prompts[i])
+        active = torch.arange(len(idx), device=device)
+        for _ in range(max_new_tokens):
+            width = int(lens[active].max())
+            hidden = model.hidden_states(buf[active, :width])                            # (A, W, C)
+            last = hidden[torch.arange(len(active), device=device), lens[active] - 1]   # (A, C)
+            nxt = model.lm_head(last).argmax(-1)                                         # (A,)
+            buf[active, lens[active]] = nxt
+            lens[active] += 1
+            for r, t in zip(active.tolist(), nxt.tolist()):
+                out[idx[r]].append(t)
+            active = active[nxt != eos_id] if eos_id is not None else active
+            if len(active) == 0:
+                break
+    return out
+
+
+def greedy_answers(model, tok, prompts: list[list[dict]], *, max_new_tokens: int = 24,
+                   batch_size: int = 64) -> list[str]:
+    """The model's greedy answer to each chat prompt (messages ending with the user's), as text.
+
+    Same tokens as Decoder.generate on the chat template with the generation prompt, stopping at
+    the tokenizer's eos (<|im_end|>); special tokens are dropped from the text.
+    """
+    ids = [_prompt_ids(tok, p) for p in prompts]
+    with _evaluating(model):
+        tokens = greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
+                               batch_size=batch_size)
+    return [tok.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+# ---------------------------------------------------------------- task exact match
+
+def read_task_rows(path: str | Path, *, limit: int | None = None) -> list[dict]:
+    """Rows for task_metrics from any SFT-format file: {"conversations": [...], "task": family}.
+
+    The conversation comes from data.formats.read_sft (chat, ShareGPT or Alpaca rows); the family
+    from the row's "task" field, "all" where there is none.
+    """
+    rows = []
+    for (_, raw), conv in zip(iter_rows(path), read_sft(path)):
+        rows.append({"conversations": conv, "task": raw.get("task") or ALL})
+        if limit is not None and len(rows) == limit:
+            break
+    return rows
+
+
+def _split(conv: list[dict], where: str) -> tuple[list[dict], str]:
+    if not conv or conv[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the conversation must end with the assistant's reference answer")
+    return conv[:-1], conv[-1]["content"]
+
+
+def task_metrics(model, tok, rows: list[dict], *, max_new_tokens: int = 24, examples: int = 3,
+                 batch_size: int = 64) -> dict:
+    """Greedy exact match (data.synthetic.check_answer) against each row's last assistant message.
+
+    exact_match is the mean over families (each family counts the same however many rows it
+    has); min_family is the worst family's; samples holds the first `examples` rows per family.
+    """
+    if not rows:
+        raise ValueError("task_metrics: no rows to evaluate")
+    prompts, refs, families = [], [], []
+    for k, row in enumerate(rows):
+        prompt, ref = _split(row["conversations"], f"row {k}")
+        prompts.append(prompt)
+        refs.append(ref)
+        families.append(row.get("task") or ALL)
+    answers = greedy_answers(model, tok, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    hits: dict[str, list[bool]] = {}
+    samples = []
+    for prompt, ref, fam, ans in zip(prompts, refs, families, answers):
+        ok = check_answer(fam, ans, ref)
+        hits.setdefault(fam, []).append(ok)
+        if len(hits[fam]) <= examples:
+            samples.append({"task": fam, "prompt": prompt[-1]["content"], "reference": ref, "answer": ans,
+                            "correct": ok})
+    per_family = {fam: sum(h) / len(h) for fam, h in sorted(hits.items())}
+    return {"exact_match": sum(per_family.values()) / len(per_family), "per_family": per_family,
+            "min_family": min(per_family.values()), "n": len(rows),
+            "n_per_family": {fam: len(h) for fam, h in sorted(hits.items())}, "samples": samples}
+
+
+# ---------------------------------------------------------------- preferences
+
+def _pair_logprobs(model, source: _Examples, batch_pairs: int) -> torch.Tensor:
+    """Summed answer log-probs, (pairs, 2) = (chosen, rejected), over padded batches in order."""
+    n, out, device = len(source) // 2, [], _device(model)
+    for start in range(0, n, batch_pairs):
+        stop = min(start + batch_pairs, n)
+        batch = next(padded_batches(source, iter(range(start, stop)), batch_size=stop - start, group_size=2))
+        out.append(group_logprobs(model, _to(batch, device))[0].float().cpu())
+    return torch.cat(out)
+
+
+def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *, seq_len: int, beta: float,
+                       ref_model=None, batch_pairs: int = 16) -> dict:
+    """DPO's held-out view: does the policy rank chosen above rejected, relative to the reference?
+
+    Implicit reward r = beta * (log pi(answer) - log pi_ref(answer)), log-probs summed over the
+    answer tokens as in DPOLoss; pi_ref is `ref_model` if given, else this model with its LoRA
+    adapter disabled. implicit_reward_accuracy = share of pairs with r_chosen > r_rejected
+    (strictly: an untrained adapter scores 0), mean_margin = mean(r_chosen - r_rejected).
+    logprob_accuracy = share with log pi(chosen) > log pi(rejected), meaningful for any model.
+    Without a reference (no LoRA layers, no ref_model) the implicit-reward entries are None.
+    Pairs are tokenised like DPO training data (each answer within seq_len // 2, truncated).
+    """
+    report = CleanReport()
+    examples = list(dpo_examples(pairs, tok, seq_len=seq_len, overlong="truncate", report=report))
+    if not examples:
+        raise ValueError(f"preference_metrics: no pair left to evaluate ({report.dropped})")
+    source = _Examples(examples)
+    with _evaluating(model):
+        policy = _pair_logprobs(model, source, batch_pairs)
+        if ref_model is not None:
+            with _evaluating(ref_model):
+                ref = _pair_logprobs(ref_model, source, batch_pairs)
+        elif lora_modules(model):
+            with lora_disabled(model):
+                ref = _pair_logprobs(model, source, batch_pairs)
+        else:
+            ref = None
+    out = {"logprob_accuracy": float((policy[:, 0] > policy[:, 1]).float().mean()), "n": len(policy),
+           "dropped": len(pairs) - len(policy), "implicit_reward_accuracy": None, "mean_margin": None}
+    if ref is not None:
+        rewards = beta * (policy - ref)
+        margin = rewards[:, 0] - rewards[:, 1]
+        out.update(implicit_reward_accuracy=float((margin > 0).float().mean()), mean_margin=float(margin.mean()),
+                   chosen_reward=float(rewards[:, 0].mean()), rejected_reward=float(rewards[:, 1].mean()))
+    return out
+
+
+def rejected_match_rate(model, tok, pairs: list[tuple[list[dict], dict, dict]], *, max_new_tokens: int = 24,
+                        batch_size: int = 64) -> float:
+    """Share of prompts whose greedy answer equals the rejected answer (check_answer)."""
+    if not pairs:
+        raise ValueError("rejected_match_rate: no pairs to evaluate")
+    answers = greedy_answers(model, tok, [p for p, _, _ in pairs], max_new_tokens=max_new_tokens,
+                             batch_size=batch_size)
+    return sum(check_answer(ALL, a, r["content"]) for a, (_, _, r) in zip(answers, pairs)) / len(pairs)
+
+
+# ---------------------------------------------------------------- reports
+
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell: no raw HTML, no column breaks, one line."""
+    text = html.escape(text, quote=False).replace("|", "\\|")
+    return text.replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def compare_prompts(answers: dict[str, list[str]], prompts: list[str]) -> str:
+    """A markdown table: one row per prompt, one column per model (in `answers`' order)."""
+    for name, column in answers.items():
+        if len(column) != len(prompts):
+            raise ValueError(f"compare_prompts: {name!r} has {len(column)} answers for {len(prompts)} prompts")
+    names = list(answers)
+    lines = ["| prompt | " + " | ".join(map(_cell, names)) + " |", "|---" * (len(names) + 1) + "|"]
+    for k, prompt in enumerate(prompts):
+        lines.append("| " + " | ".join(_cell(c) for c in [prompt] + [answers[n][k] for n in names]) + " |")
+    return "\n".join(lines) + "\n"

@@ -132,6 +132,22 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] = "auto"      # auto: continue from the newest verified checkpoint
 
 
+class EvalConfig(Section):
+    """Held-out evaluation after each training stage (engine/evaluate.py), on the *_eval splits."""
+
+    enabled: bool = True
+    max_rows: int = Field(200, ge=1)        # rows per eval split
+    max_new_tokens: int = Field(24, ge=1)   # greedy answer length for exact match
+
+
+class GateConfig(Section):
+    """Promotion gate before serving: metric names are <stage>.<metric> (e.g. sft.exact_match)."""
+
+    min: dict[str, float] = {}                              # thresholds (maximum for loss-like metrics)
+    no_regression: list[str] = ["dpo.exact_match", "dpo.implicit_reward_accuracy"]   # vs the served model
+    tolerance: float = Field(0.0, ge=0)
+
+
 class ServeConfig(Section):
     enabled: bool = True
     host: Literal["127.0.0.1"] = "127.0.0.1"
@@ -143,6 +159,7 @@ class ServeConfig(Section):
     startup_timeout_s: int = Field(300, ge=10)
     prompt: str = "What is 12 + 7?"
     max_tokens: int = Field(32, ge=1)
+    gate: GateConfig = GateConfig()
 
 
 class Config(Section):
@@ -160,6 +177,7 @@ class Config(Section):
     sft: SFTConfig = SFTConfig()
     dpo: DPOConfig = DPOConfig(lr=5e-5)
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
     serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")

@@ -31,7 +31,8 @@ from data.formats import read_pretrain
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 # id order is fixed: 0 unk, 1 bos, 2 eos, 3 pad, 4 <|im_start|>, 5 <|im_end|>.
-# <s>/</s> are never added automatically; </s> is free to mark document ends in pretraining.
+# <s>/</s> are never added automatically. Pretraining ends each document with the HF eos
+# (<|im_end|>), the token generation stops on, so the model learns to stop before SFT.
 # For chat, the Hugging Face eos is <|im_end|>: generation stops on it.
 SPECIAL_TOKENS: dict[str, str] = {
     "unk_token": UNK, "bos_token": BOS, "eos_token": IM_END, "pad_token": PAD,

@@ -112,7 +112,7 @@ def _prompt_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int | None,
-                  batch_size: int = 64) -> list[list[int]]:
+                  batch_size: int = 32) -> list[list[int]]:
     """Decoder.generate's greedy tokens for many prompts at once, batched without a KV cache.
 
     Rows are right-padded: with causal attention a real token never sees the padding after it,
@@ -154,7 +154,7 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
 
 
 def greedy_answers(model, tok, prompts: list[list[dict]], *, max_new_tokens: int = 24,
-                   batch_size: int = 64) -> list[str]:
+                   batch_size: int = 32) -> list[str]:
     """The model's greedy answer to each chat prompt (messages ending with the user's), as text.
 
     Same tokens as Decoder.generate on the chat template with the generation prompt, stopping at
@@ -190,7 +190,7 @@ def _split(conv: list[dict], where: str) -> tuple[list[dict], str]:
 
 
 def task_metrics(model, tok, rows: list[dict], *, max_new_tokens: int = 24, examples: int = 3,
-                 batch_size: int = 64) -> dict:
+                 batch_size: int = 32) -> dict:
     """Greedy exact match (data.synthetic.check_answer) against each row's last assistant message.
 
     exact_match is the mean over families (each family counts the same however many rows it
@@ -269,7 +269,7 @@ def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *
 
 
 def rejected_match_rate(model, tok, pairs: list[tuple[list[dict], dict, dict]], *, max_new_tokens: int = 24,
-                        batch_size: int = 64) -> float:
+                        batch_size: int = 32) -> float:
     """Share of prompts whose greedy answer equals the rejected answer (check_answer)."""
     if not pairs:
         raise ValueError("rejected_match_rate: no pairs to evaluate")

@@ -5,6 +5,7 @@ the stage's loss. Prefect tasks, the CLI and tests all call these.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -20,14 +21,15 @@ from data import formats
 from data.cleaning import CleanReport, clean_conversations, clean_pairs, clean_texts
 from data.packing import PackedBatches, padded_batches
 from data.prefetch import Prefetcher
-from data.prepare import split_source
+from data.prepare import split_path, split_source
 from data.sampler import EpochSampler
 from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
 from data.tokenizer import load_tokenizer
 from engine.losses import DPOLoss, causal_lm_loss
+from engine import evaluate
 from engine.checkpoint import CheckpointManager
 from engine.trainer import Runtime, train
-from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
+from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
 from model.hf import load_hf_llama, load_native, save_native
 
 log = logging.getLogger("glm_lora.stages")
@@ -167,6 +169,30 @@ def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
     return model
 
 
+# ---------------------------------------------------------------- held-out evaluation
+
+def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
+    texts = itertools.islice(formats.read_pretrain(split_path(data_dir, "pretrain_eval")), cfg.eval.max_rows)
+    return evaluate.lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
+
+
+def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
+    rows = evaluate.read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows)
+    return evaluate.task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
+
+
+def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
+    pairs = list(itertools.islice(formats.read_dpo(split_path(data_dir, "dpo_eval")), cfg.eval.max_rows))
+    prefs = evaluate.preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
+    tasks = eval_tasks(cfg, model, tok, data_dir)
+    rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+    with lora_disabled(model):      # the SFT model, for "DPO must lower the rejected-answer rate"
+        sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+    return {**prefs, "exact_match": tasks["exact_match"], "min_family": tasks["min_family"],
+            "per_family": tasks["per_family"], "rejected_match_rate": rejected,
+            "sft_rejected_match_rate": sft_rejected, "samples": tasks["samples"]}
+
+
 # ---------------------------------------------------------------- stages
 
 def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) -> dict:
@@ -176,8 +202,13 @@ def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) ->
     tc = cfg.pretrain
     _check_seq_len(tc.seq_len, model, "pretrain")
     log.info("pretrain: %.2fM parameters", model.num_params() / 1e6)
+    init = eval_lm(cfg, model, tok, data_dir) if cfg.eval.enabled else None
     metrics = _train("pretrain", cfg, tc, model, causal_lm_loss, tok, tokenizer_dir, data_dir,
                      [tokenizer_dir, data_dir], rt, out_dir)
+    if cfg.eval.enabled:
+        metrics["eval"] = {**eval_lm(cfg, model, tok, data_dir), "init_perplexity": init["perplexity"],
+                           "init_bits_per_byte": init["bits_per_byte"]}
+        log.info("pretrain eval: %s", metrics["eval"])
     save_native(model.cpu(), out_dir)
     return {**metrics, "params": model.num_params()}
 
@@ -199,6 +230,9 @@ def sft(cfg: Config, base_dir: Path, tokenizer_dir: Path, data_dir: Path, out_di
     log.info("sft: %.3fM trainable of %.2fM", model.num_params(True) / 1e6, model.num_params() / 1e6)
     metrics = _train("sft", cfg, tc, model, causal_lm_loss, tok, tokenizer_dir, data_dir,
                      [base_dir, tokenizer_dir, data_dir], rt, out_dir)
+    if cfg.eval.enabled:
+        metrics["eval"] = eval_tasks(cfg, model, tok, data_dir)
+        log.info("sft eval: exact match %.3f %s", metrics["eval"]["exact_match"], metrics["eval"]["per_family"])
     save_adapter(model.cpu(), tc.lora, out_dir)
     return {**metrics, "trainable_params": model.num_params(True)}
 
@@ -214,5 +248,8 @@ def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_di
     log.info("dpo: beta %.3g, nll_weight %.3g", tc.beta, tc.nll_weight)
     metrics = _train("dpo", cfg, tc, model, DPOLoss(tc.beta, tc.nll_weight), tok, tokenizer_dir, data_dir,
                      [base_dir, sft_dir, tokenizer_dir, data_dir], rt, out_dir)
+    if cfg.eval.enabled:
+        metrics["eval"] = eval_preferences(cfg, model, tok, data_dir)
+        log.info("dpo eval: %s", {k: v for k, v in metrics["eval"].items() if k not in ("samples", "per_family")})
     save_adapter(model.cpu(), tc.lora, out_dir)
     return {**metrics, "trainable_params": model.num_params(True)}

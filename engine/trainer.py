@@ -99,7 +99,7 @@ def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, tra
         data_state = batch.get("data_state")
         with rt.autocast():
             loss, m = loss_fn(model, batch)
-        value = float(loss)
+        value = float(loss.detach())
         if not math.isfinite(value):
             opt.zero_grad(set_to_none=True)
             if cfg.nonfinite == "skip":

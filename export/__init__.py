@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from artifacts import read_manifest
 from configs.schema import Config, LoRAConfig
 from data.prepare import TOKENIZER_FILES
 from data.tokenizer import load_tokenizer
@@ -59,4 +60,14 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     final = cfg.stage_dir("export")   # PEFT records where its base lives; point at the published path
     write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", str(final / "base"))
     write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", f"{final / 'base'} + adapters/sft (merged)")
-    return {"dtype": cfg.serve.dtype}
+    return {"dtype": cfg.serve.dtype, "eval": collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)}
+
+
+def collect_eval(**stage_dirs: Path) -> dict:
+    """Each stage's held-out metrics (from its manifest), keyed by stage: what the gate compares."""
+    out = {}
+    for name, d in stage_dirs.items():
+        metrics = read_manifest(Path(d))["metrics"].get("eval")
+        if metrics:
+            out["pretrain" if name == "base_dir" else name] = {k: v for k, v in metrics.items() if k != "samples"}
+    return out

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from artifacts import read_manifest
 from configs.schema import Config
+from engine.gate import promotion_gate
 from data.tokenizer import load_tokenizer
 from model.hf import load_hf_llama
 from serve.vllm_server import chat, port_in_use, start_server, stop_server, wait_healthy
@@ -45,9 +47,28 @@ def inprocess_answer(model_dir: Path, messages: list[dict], max_tokens: int) -> 
     return tok.decode(out, skip_special_tokens=True)
 
 
+class GateFailed(RuntimeError):
+    pass
+
+
+def served_record(serve_dir: Path) -> dict | None:
+    record = Path(serve_dir) / RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
 def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
     sc = cfg.serve
     final_dir = cfg.stage_dir("serve")
+    # ---- promotion gate: the old model keeps serving unless the new one passes
+    candidate = read_manifest(Path(export_dir))["metrics"].get("eval", {})
+    previous = served_record(final_dir)
+    served = previous.get("eval") if previous and previous.get("running") else None
+    gate = promotion_gate(candidate, served, thresholds=sc.gate.min, no_regression=sc.gate.no_regression,
+                          tolerance=sc.gate.tolerance)
+    (Path(out_dir) / "gate.md").write_text(gate.table)
+    log.info("promotion gate:\n%s", gate.table)
+    if not gate.ok:
+        raise GateFailed("promotion gate failed; the served model stays: " + "; ".join(gate.reasons))
     stop_recorded_server(final_dir)
     if port_in_use(sc.host, sc.port):
         raise RuntimeError(f"port {sc.port} on {sc.host} is taken by another process; set serve.port to a free port")
@@ -69,11 +90,11 @@ def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
     if not running:
         stop_server(handle.pid)
     record = {"pid": handle.pid, "url": handle.base_url, "model": cfg.run_name, "running": running,
-              "log": str(handle.log_path), "model_dir": str(model_dir)}
+              "log": str(handle.log_path), "model_dir": str(model_dir), "eval": candidate}
     (Path(out_dir) / RECORD).write_text(json.dumps(record, indent=2))
     result = {"endpoint": f"{handle.base_url}/v1/chat/completions", "model": cfg.run_name, "prompt": sc.prompt,
               "answer": answer, "inprocess_answer": ours, "matches_inprocess": answer.strip() == ours.strip(),
-              "ready_s": round(ready_s, 1), "running": running}
+              "ready_s": round(ready_s, 1), "running": running, "gate": gate.table}
     (Path(out_dir) / "answer.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
     log.info("served %s: %r -> %r (in-process: %r)", result["endpoint"], sc.prompt, answer, ours)
     return result

@@ -125,7 +125,19 @@ def export_task(cfg: dict, base: dict, sft: dict, dpo: dict, tokenizer: dict) ->
         Config.model_validate(cfg), _p(base), _p(sft), _p(dpo), _p(tokenizer), out))
 
 
-@task(name="serve", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
+def _not_gate_failure(task, task_run, state) -> bool:
+    """Retry a failed server start, never a failed promotion gate (it would fail again)."""
+    from serve.stage import GateFailed
+    try:
+        state.result()
+    except GateFailed:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(name="serve", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=_not_gate_failure)
 def serve_task(cfg: dict, export: dict) -> dict[str, Any]:
     """Start vLLM on the merged export, ask it the configured prompt, record the answer."""
     from serve.stage import serve
@@ -140,6 +152,7 @@ def serve_task(cfg: dict, export: dict) -> dict[str, Any]:
     create_markdown_artifact(
         key=_artifact_key(c, "answer"),
         markdown=f"### Served answer\n\n**endpoint** `{result['endpoint']}`\n\n**prompt** {result['prompt']}\n\n"
-                 f"**vLLM** {result['answer']}\n\n**in-process** {result['inprocess_answer']}\n",
+                 f"**vLLM** {result['answer']}\n\n**in-process** {result['inprocess_answer']}\n\n"
+                 f"### Promotion gate\n\n{result['gate']}\n",
         description="answer from the served model")
     return {**ref.to_dict(), **result}

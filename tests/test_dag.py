@@ -79,6 +79,24 @@ def test_every_stage_ran_and_vllm_matches_inprocess_greedy(dag):
         os.kill(record["pid"], 0)
 
 
+def test_each_stage_reports_held_out_metrics_and_pretraining_learns(dag):
+    """CI's learning floor on the shortened config: pretraining cuts held-out perplexity ≥ 5×."""
+    d = dag["run_dir"]
+    pre = json.loads((d / "pretrain" / "manifest.json").read_text())["metrics"]["eval"]
+    assert pre["init_perplexity"] / pre["perplexity"] >= 5, pre
+    assert 0 < pre["bits_per_byte"] < pre["init_bits_per_byte"]
+    sft = json.loads((d / "sft" / "manifest.json").read_text())["metrics"]["eval"]
+    assert set(sft["per_family"]) == {"add_en", "add_zh", "sub_en", "sub_zh", "copy_en", "copy_zh",
+                                      "reverse_en", "reverse_zh", "units_en", "units_zh"}
+    dpo = json.loads((d / "dpo" / "manifest.json").read_text())["metrics"]["eval"]
+    for key in ("implicit_reward_accuracy", "mean_margin", "exact_match", "rejected_match_rate",
+                "sft_rejected_match_rate"):
+        assert dpo[key] is not None, key
+    exported = json.loads((d / "export" / "manifest.json").read_text())["metrics"]["eval"]
+    assert set(exported) == {"pretrain", "sft", "dpo"}
+    assert "dpo.exact_match" in dag["result"]["gate"]
+
+
 def _ids(run_dir: Path) -> torch.Tensor:
     from data.tokenizer import load_tokenizer
     tok = load_tokenizer(run_dir / "tokenizer")

@@ -8,7 +8,6 @@ greedy decode, packing, loss heads) and only the "weights" are made up.
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,10 +15,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from data.cleaning import CleanReport
 from data.formats import read_dpo
 from data.synthetic import TASK_FAMILIES, generate
 from data.tokenize import lm_examples
-from data.cleaning import CleanReport
 from data.tokenizer import load_tokenizer, train_tokenizer
 from engine.evaluate import (
     compare_prompts, greedy_answers, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate,

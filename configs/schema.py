@@ -138,6 +138,10 @@ class EvalConfig(Section):
     enabled: bool = True
     max_rows: int = Field(200, ge=1)        # rows per eval split
     max_new_tokens: int = Field(24, ge=1)   # greedy answer length for exact match
+    compare_prompts: list[str] = [           # answered by the pretrain, SFT and DPO models side by side
+        "What is 12 + 7?", "计算 45 + 38。", "What is 91 minus 17?", "计算 80 - 26。",
+        'Copy the word "planet".', "请重复“山水”。", 'Spell "garden" in reverse order.',
+        "请把“猫狗鱼”倒过来写。", "3 km = ? m", "2小时等于多少分钟？"]
 
 
 class GateConfig(Section):

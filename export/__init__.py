@@ -4,6 +4,7 @@
     <out>/merged/               base + SFT + DPO merged: what gets served
     <out>/adapters/sft/         PEFT LoRA adapter on base/
     <out>/adapters/dpo/         PEFT LoRA adapter on base/ with adapters/sft merged
+    <out>/compare.md            fixed prompts answered by the pretrain, SFT and DPO models
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from artifacts import read_manifest
 from configs.schema import Config, LoRAConfig
 from data.prepare import TOKENIZER_FILES
 from data.tokenizer import load_tokenizer
+from engine import evaluate
 from engine.stages import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_policy
 from model.hf import save_hf_llama
 
+COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,12 +58,23 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     tok = load_tokenizer(tokenizer_dir)
     dtype = DTYPES[cfg.serve.dtype]
-    _save_hf(load_policy(base_dir), tok, tokenizer_dir, out_dir / "base", dtype)
-    _save_hf(load_policy(base_dir, sft_dir, dpo_dir), tok, tokenizer_dir, out_dir / "merged", dtype)
+    models = {"pretrain": load_policy(base_dir), "sft": load_policy(base_dir, sft_dir),
+              "dpo": load_policy(base_dir, sft_dir, dpo_dir)}
+    _save_hf(models["pretrain"], tok, tokenizer_dir, out_dir / "base", dtype)
+    _save_hf(models["dpo"], tok, tokenizer_dir, out_dir / "merged", dtype)
+    if cfg.eval.enabled and cfg.eval.compare_prompts:
+        (out_dir / COMPARE).write_text(compare_report(models, tok, cfg.eval.compare_prompts, cfg.eval.max_new_tokens))
     final = cfg.stage_dir("export")   # PEFT records where its base lives; point at the published path
     write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", str(final / "base"))
     write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", f"{final / 'base'} + adapters/sft (merged)")
     return {"dtype": cfg.serve.dtype, "eval": collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)}
+
+
+def compare_report(models: dict, tok, prompts: list[str], max_new_tokens: int) -> str:
+    """The same prompts answered greedily by each model, side by side (markdown)."""
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    answers = {name: evaluate.greedy_answers(m, tok, chats, max_new_tokens=max_new_tokens) for name, m in models.items()}
+    return "### Fixed prompts: pretrain vs SFT vs DPO\n\n" + evaluate.compare_prompts(answers, prompts) + "\n"
 
 
 def collect_eval(**stage_dirs: Path) -> dict:

@@ -31,7 +31,7 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "import_base": ("base_model",),
     "sft": ("sft", "device", "precision", "kernels"),
     "dpo": ("dpo", "device", "precision", "kernels"),
-    "export": ("serve.dtype",),
+    "export": ("serve.dtype", "eval"),
 }
 
 

@@ -120,9 +120,14 @@ def dpo_task(cfg: dict, base: dict, sft: dict, tokenizer: dict, data: dict) -> d
 @task(name="export", cache_key_fn=_prefect_key("export"), **stage_task)
 def export_task(cfg: dict, base: dict, sft: dict, dpo: dict, tokenizer: dict) -> dict:
     """Write the merged HF model and the PEFT adapters."""
-    from export import export
-    return run_stage("export", cfg, [base, sft, dpo, tokenizer], lambda out: export(
+    from export import COMPARE, export
+    ref = run_stage("export", cfg, [base, sft, dpo, tokenizer], lambda out: export(
         Config.model_validate(cfg), _p(base), _p(sft), _p(dpo), _p(tokenizer), out))
+    report = Path(ref["path"]) / COMPARE
+    if report.is_file():
+        create_markdown_artifact(key=_artifact_key(Config.model_validate(cfg), "compare"),
+                                 markdown=report.read_text(), description="fixed prompts side by side")
+    return ref
 
 
 def _not_gate_failure(task, task_run, state) -> bool:

@@ -95,6 +95,9 @@ def test_each_stage_reports_held_out_metrics_and_pretraining_learns(dag):
     exported = json.loads((d / "export" / "manifest.json").read_text())["metrics"]["eval"]
     assert set(exported) == {"pretrain", "sft", "dpo"}
     assert "dpo.exact_match" in dag["result"]["gate"]
+    compare = (d / "export" / "compare.md").read_text()
+    header = compare.splitlines()[2]
+    assert all(name in header for name in ("pretrain", "sft", "dpo")) and "What is 12 + 7?" in compare
 
 
 def _ids(run_dir: Path) -> torch.Tensor:

@@ -110,13 +110,13 @@ def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pa
 
 # ---------------------------------------------------------------- training with checkpoints
 
-def checkpoint_dir(cfg: Config, stage: str, tc: TrainConfig, inputs: list[Path]) -> Path:
+def checkpoint_dir(cfg: Config, stage: str, tc: TrainConfig, input_digests: list[str]) -> Path:
     """Checkpoints of one stage configuration: a retry or a re-run after a crash finds them; any
     change other than max_steps/log_every (or of an upstream artifact) starts a fresh directory."""
     section = tc.model_dump(mode="json", exclude={"max_steps", "log_every"})
     key = sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
                        "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
-                       "inputs": [read_manifest(p)["digest"] for p in inputs]})
+                       "inputs": input_digests})
     return cfg.run_dir / "checkpoints" / f"{stage}-{key[:12]}"
 
 
@@ -124,12 +124,13 @@ def _train(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, tok, tokeni
            inputs: list[Path], rt: Runtime, out_dir: Path) -> dict:
     make_batches, data = token_stream(cfg, stage, tc, tok, tokenizer_dir, data_dir, rt)
     ck = cfg.checkpoint
-    root = checkpoint_dir(cfg, stage, tc, inputs)
+    digests = [read_manifest(p)["digest"] for p in inputs]
+    root = checkpoint_dir(cfg, stage, tc, digests)
     manager = CheckpointManager(root, keep_last=ck.keep_last, async_save=ck.async_save)
     # Resuming across these would silently train something else: refuse, naming the key.
     run_config = {"model": _decoder_config(cfg, len(tok)).to_dict() if stage == "pretrain" else None,
                   "lora": tc.lora.model_dump(mode="json") if hasattr(tc, "lora") else None,
-                  "inputs": [read_manifest(p)["digest"] for p in inputs], "seq_len": tc.seq_len,
+                  "inputs": digests, "seq_len": tc.seq_len,
                   "batch_size": tc.batch_size, "packing": tc.packing}
     try:
         summary = train(model, loss_fn, make_batches, tc, rt, name=stage, metrics_path=Path(out_dir) / METRICS,

@@ -99,7 +99,10 @@ def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, tra
         data_state = batch.get("data_state")
         with rt.autocast():
             loss, m = loss_fn(model, batch)
-        value = float(loss.detach())
+        # One device→host copy per micro-batch for the loss and every metric (not one per value).
+        values = torch.stack([loss.detach().float(), *(torch.as_tensor(v, device=loss.device).float()
+                                                        for v in m.values())]).tolist()
+        value = values[0]
         if not math.isfinite(value):
             opt.zero_grad(set_to_none=True)
             if cfg.nonfinite == "skip":
@@ -110,8 +113,8 @@ def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, tra
                 f"Try a lower lr (now {cfg.lr}), grad_clip > 0, precision fp32/bf16, or nonfinite: skip.")
         scaler.scale(loss / cfg.grad_accum).backward()
         total += value / cfg.grad_accum
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + float(v) / cfg.grad_accum
+        for k, v in zip(m, values[1:]):
+            metrics[k] = metrics.get(k, 0.0) + v / cfg.grad_accum
         tokens += int(batch["num_tokens"])
         capacity += int(batch["capacity"]) if "capacity" in batch else batch["input_ids"].numel()
     scaler.unscale_(opt)
@@ -150,7 +153,6 @@ class Window:
         self.total_capacity += self.capacity
         self.total_wait += self.wait
         out = {k: v / self.steps for k, v in self.sums.items()}
-        out["lr"] = self.sums["lr"] / self.steps if "lr" in self.sums else None
         out.update(step=step, tokens_per_s=self.tokens / max(now - self.start, 1e-9),
                    token_efficiency=self.tokens / max(self.capacity, 1), io_wait_s=self.wait / self.steps,
                    tokens=self.total_tokens, elapsed_s=now - self.t0,

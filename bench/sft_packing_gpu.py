@@ -15,38 +15,17 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 
 import kernels
 from bench.common import write_result
 from bench.packing_efficiency import skewed_lengths
-from data.packing import IGNORE, PackedBatches, padded_batches
+from bench.workloads import TARGETS, RandomSFT
+from data.packing import PackedBatches, padded_batches
 from data.sampler import EpochSampler
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import Decoder, DecoderConfig, inject_lora
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class RandomSFT:
-    def __init__(self, lengths, vocab, seed=0):
-        self._lengths, self.vocab, self.rng = lengths, vocab, np.random.default_rng(seed)
-        self.tokens = self.rng.integers(3, vocab, int(lengths.sum()), dtype=np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
-
-    def __len__(self):
-        return len(self._lengths)
-
-    def lengths(self):
-        return self._lengths
-
-    def example(self, i):
-        ids = self.tokens[self.offsets[i]:self.offsets[i + 1]]
-        labels = ids.copy()
-        labels[: int(len(ids) * 0.7)] = IGNORE
-        return ids, labels
 
 
 def run(provider: str, args, src) -> dict:
@@ -56,7 +35,7 @@ def run(provider: str, args, src) -> dict:
     model = Decoder(cfg).cuda()
     inject_lora(model, TARGETS, r=64, alpha=128)
     opt = build_optimizer(model, 2e-4, 0.0, fused=True)
-    kernels.use("auto" if provider == "packed_dense" else "flex")
+    kernels.use("auto", "sdpa" if provider == "packed_dense" else "flex")
     order = iter(EpochSampler(len(src), seed=0))
     if provider == "padded":
         batches = padded_batches(src, order, batch_size=8)

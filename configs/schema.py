@@ -110,6 +110,12 @@ class TrainConfig(Section):
     packing: bool = True    # several documents per row (block-diagonal attention); False = padded rows
     prefetch: int = Field(2, ge=0)   # batches built ahead in a background thread; 0 = inline
     nonfinite: Literal["stop", "skip"] = "stop"   # NaN/inf loss: stop the stage, or skip the batch (counted)
+    activation_checkpointing: bool = False   # recompute each decoder block in backward (less memory, more compute)
+    # Validation loss on the stage's held-out split every eval_every steps (0 = off). When on, the
+    # weights with the best validation loss (not the last) are what the stage saves.
+    eval_every: int = Field(0, ge=0)
+    patience: int = Field(0, ge=0)        # stop after this many validations without improvement; 0 = never
+    min_delta: float = Field(0.0, ge=0)   # an improvement must lower the validation loss by more than this
 
 
 class SFTConfig(TrainConfig):
@@ -171,7 +177,8 @@ class Config(Section):
     runs_dir: Path = Path("runs")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA, fp32 on CPU
-    kernels: Literal["auto", "reference", "flex"] = "auto"         # see kernels/__init__.py
+    kernels: Literal["auto", "reference", "triton"] = "auto"       # fused Triton ops or torch: kernels/__init__.py
+    attention: Literal["auto", "sdpa", "flex"] = "auto"            # packed-row attention: kernels/__init__.py
     threads: int | None = None                                       # torch CPU threads; None = torch default
     base_model: Path | None = None    # local HF Llama-family dir: skip tokenizer training + pretrain
     data: DataConfig = DataConfig()

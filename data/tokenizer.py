@@ -45,6 +45,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 IGNORE_INDEX = -100
+# One token per role name: the chat wrapper around a short turn would otherwise outweigh the turn
+# itself (letters never merge, so "assistant" alone would be 9 tokens).
+CHAT_ROLES = ("system", "user", "assistant")
 
 _DELIM = "\x1f"  # ASCII unit separator: never in our text; removed by the trainer
 _ISOLATE = re.compile(r"([A-Za-z0-9\n])")
@@ -112,6 +115,7 @@ def train_tokenizer(
         unk_id=0, bos_id=1, eos_id=2, pad_id=3,
         unk_piece=UNK, bos_piece=BOS, eos_piece=EOS, pad_piece=PAD,
         control_symbols=[IM_START, IM_END],
+        user_defined_symbols=list(CHAT_ROLES),
         num_threads=2,
         minloglevel=2,
     )
@@ -141,6 +145,7 @@ def _hf_tokenizer(sp: spm.SentencePieceProcessor):  # -> transformers.LlamaToken
     n = sp.get_piece_size()
     vocab = {sp.id_to_piece(i): i for i in range(n)}
     atomic = {sp.id_to_piece(i) for i in range(n) if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i)}
+    atomic |= set(CHAT_ROLES)
     tok = LlamaTokenizer(
         vocab=vocab,
         merges=generate_merges(vocab, skip_tokens=atomic),
@@ -151,6 +156,8 @@ def _hf_tokenizer(sp: spm.SentencePieceProcessor):  # -> transformers.LlamaToken
         unk_token=UNK, bos_token=BOS, eos_token=IM_END, pad_token=PAD,
         additional_special_tokens=[AddedToken(t, special=True, normalized=False) for t in (EOS, IM_START, IM_END)],
     )
+    # sentencepiece matches user-defined pieces anywhere before BPE; so must the HF tokenizer.
+    tok.add_tokens([AddedToken(r, special=False, normalized=False) for r in CHAT_ROLES])
     if len(tok) != n:
         raise RuntimeError(f"Hugging Face tokenizer has {len(tok)} tokens, sentencepiece {n}")
     return tok

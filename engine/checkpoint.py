@@ -9,6 +9,9 @@ One checkpoint is a directory `root/step-XXXXXXXX/` (8-digit, zero-padded step):
     manifest.json        written last: sha256 + size of every file above, the optimizer's raw and
                          compressed sizes, and a checksum of the manifest itself
 
+Beside them, `root/best.safetensors` holds the trainable weights with the best validation loss
+so far (when the stage validates), tagged with their step.
+
 Crash safety: a save is written into `root/.tmp-step-XXXXXXXX-<pid>/`, every file and the directory
 fsynced, then renamed into place in one step, so a reader sees a whole checkpoint or none; a kill -9
 mid-save leaves only a temp dir that the next `latest()` removes.
@@ -47,6 +50,7 @@ from artifacts import sha256_file, sha256_json
 
 MODEL, OPTIMIZER, RNG, TRAINER_STATE, MANIFEST = (
     "model.safetensors", "optimizer.pt.zst", "rng.json", "trainer_state.json", "manifest.json")
+BEST = "best.safetensors"
 FORMAT = "glm-lora-checkpoint/1"
 ZSTD_LEVEL = 3          # the issue's choice; fp32 moments barely compress at any level, so stay fast
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -402,6 +406,27 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         return m if ok else None
+
+    # ---- the best weights by validation loss (early stopping carries these forward)
+
+    def save_best(self, weights: dict[str, torch.Tensor], *, step: int, val_loss: float) -> None:
+        """Replace root/best.safetensors atomically (temp file + fsync + rename)."""
+        tmp = self.root / f".tmp-{BEST}-{os.getpid()}"
+        meta = {"format": "pt", "step": str(step), "val_loss": repr(val_loss)}
+        safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=meta)
+        _fsync(tmp)
+        os.replace(tmp, self.root / BEST)
+        _fsync(self.root)
+
+    def load_best(self, step: int) -> dict[str, torch.Tensor] | None:
+        """The saved best weights if they are the ones recorded at `step`, else None."""
+        path = self.root / BEST
+        if not path.is_file():
+            return None
+        with safetensors.safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("step") != str(step):
+                return None
+        return safetensors.torch.load_file(str(path))
 
     # ---- finding and loading
 

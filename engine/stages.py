@@ -41,7 +41,7 @@ def setup(cfg: Config, seed: int) -> Runtime:
     torch.manual_seed(seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    kernels.use(cfg.kernels)
+    kernels.use(cfg.kernels, cfg.attention)
     return Runtime.resolve(cfg.device, cfg.precision)
 
 
@@ -62,14 +62,12 @@ def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
 
 # ---------------------------------------------------------------- data
 
-def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Path, data_dir: Path,
-                 rt: Runtime) -> tuple[Callable[[dict | None], Prefetcher], dict]:
-    """Read → clean → tokenise once (cached, memory-mapped) → sample → pack → prefetch.
-
-    Returns `make_batches(data_state)`: the batch stream, positioned by a checkpoint's data state.
-    """
+def token_store(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Path, data_dir: Path,
+                split: str | None = None):
+    """Read → clean → tokenise once (cached, memory-mapped) one split of a `kind` (pretrain/sft/dpo)."""
     dc = cfg.data
-    path, sha = split_source(data_dir, kind)
+    split = split or kind
+    path, sha = split_source(data_dir, split)
     report = CleanReport()
     read = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo}[kind]
     rows = read(path, on_bad_row=dc.on_bad_row, report=report)
@@ -86,9 +84,19 @@ def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pa
                 "on_bad_row": dc.on_bad_row}
     store = tokenized(kind, sha, tokenizer_dir, examples, cache_root=cfg.runs_dir.resolve() / ".cache" / "tokens",
                       settings=settings, report=report)
+    if len(store) < store.meta["group_size"]:
+        raise ValueError(f"{split}: no examples left after cleaning: {store.meta.get('clean')}")
+    return store
+
+
+def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Path, data_dir: Path,
+                 rt: Runtime) -> tuple[Callable[[dict | None], Prefetcher], dict]:
+    """The training split: tokens → sample → pack → prefetch.
+
+    Returns `make_batches(data_state)`: the batch stream, positioned by a checkpoint's data state.
+    """
+    store = token_store(cfg, kind, tc, tok, tokenizer_dir, data_dir)
     group = store.meta["group_size"]
-    if len(store) < group:
-        raise ValueError(f"{kind}: no training examples left after cleaning: {store.meta.get('clean')}")
 
     def make_batches(data_state: dict | None) -> Prefetcher:
         order = EpochSampler.from_env(len(store) // group, seed=tc.seed)
@@ -108,6 +116,30 @@ def token_stream(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pa
     return make_batches, {"examples": len(store) // group, "clean": clean}
 
 
+def validation_loss(cfg: Config, kind: str, tc: TrainConfig, loss_fn, model, tok, tokenizer_dir: Path,
+                    data_dir: Path, rt: Runtime) -> Callable[[], float]:
+    """`validate()`: the stage's own loss over its held-out split (one packed pass), weighted by
+    target tokens (LM losses) or by pairs (DPO)."""
+    store = token_store(cfg, kind, tc, tok, tokenizer_dir, data_dir, split=f"{kind}_eval")
+    group = store.meta["group_size"]
+    groups = min(len(store) // group, cfg.eval.max_rows)
+
+    @torch.no_grad()
+    def validate() -> float:
+        model.eval()
+        total, weight = torch.zeros((), device=rt.device), 0.0
+        batches = PackedBatches(store, iter(range(groups)), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+        for batch in batches:
+            batch = {k: v.to(rt.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            with rt.autocast():
+                loss, m = loss_fn(model, batch)
+            w = m["target_tokens"] if "target_tokens" in m else batch["group_docs"].shape[0]
+            total += loss.float() * w
+            weight += float(w)
+        return float(total) / max(weight, 1.0)
+    return validate
+
+
 # ---------------------------------------------------------------- training with checkpoints
 
 def checkpoint_dir(cfg: Config, stage: str, tc: TrainConfig, input_digests: list[str]) -> Path:
@@ -115,7 +147,7 @@ def checkpoint_dir(cfg: Config, stage: str, tc: TrainConfig, input_digests: list
     change other than max_steps/log_every (or of an upstream artifact) starts a fresh directory."""
     section = tc.model_dump(mode="json", exclude={"max_steps", "log_every"})
     key = sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
-                       "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
+                       "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels, "attention": cfg.attention,
                        "inputs": input_digests})
     return cfg.run_dir / "checkpoints" / f"{stage}-{key[:12]}"
 
@@ -123,6 +155,7 @@ def checkpoint_dir(cfg: Config, stage: str, tc: TrainConfig, input_digests: list
 def _train(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, tok, tokenizer_dir: Path, data_dir: Path,
            inputs: list[Path], rt: Runtime, out_dir: Path) -> dict:
     make_batches, data = token_stream(cfg, stage, tc, tok, tokenizer_dir, data_dir, rt)
+    model.gradient_checkpointing = tc.activation_checkpointing
     ck = cfg.checkpoint
     digests = [read_manifest(p)["digest"] for p in inputs]
     root = checkpoint_dir(cfg, stage, tc, digests)
@@ -132,10 +165,13 @@ def _train(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, tok, tokeni
                   "lora": tc.lora.model_dump(mode="json") if hasattr(tc, "lora") else None,
                   "inputs": digests, "seq_len": tc.seq_len,
                   "batch_size": tc.batch_size, "packing": tc.packing}
+    validate = (validation_loss(cfg, stage, tc, loss_fn, model, tok, tokenizer_dir, data_dir, rt)
+                if tc.eval_every else None)
     try:
         summary = train(model, loss_fn, make_batches, tc, rt, name=stage, metrics_path=Path(out_dir) / METRICS,
                         checkpoints=manager, ckpt_cfg=ck, run_config=run_config,
-                        structural_keys=["model", "lora", "inputs", "seq_len", "batch_size", "packing"])
+                        structural_keys=["model", "lora", "inputs", "seq_len", "batch_size", "packing"],
+                        validate=validate)
     finally:
         manager.close()
     (Path(out_dir) / LOSSES).write_text(json.dumps(summary.pop("losses")))

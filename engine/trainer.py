@@ -184,6 +184,46 @@ class StopRequest:
             signal.signal(sig, old)
 
 
+class EarlyStopping:
+    """Tracks the validation loss: keeps the best trainable weights and says when patience ran out."""
+
+    def __init__(self, cfg: TrainConfig, trainable: dict[str, torch.nn.Parameter],
+                 checkpoints: CheckpointManager | None):
+        self.cfg, self.trainable, self.checkpoints = cfg, trainable, checkpoints
+        self.best: dict[str, torch.Tensor] | None = None
+
+    def update(self, state: dict, val_loss: float) -> bool:
+        """Record a validation at state["step"]; True when the stage should stop now."""
+        state["val_losses"].append([state["step"], val_loss])
+        best = state["best_val_loss"]
+        if best is None or val_loss < best - self.cfg.min_delta:
+            state.update(best_val_loss=val_loss, best_step=state["step"], bad_evals=0)
+            self.best = {n: p.detach().to("cpu", copy=True) for n, p in self.trainable.items()}
+            if self.checkpoints is not None:
+                self.checkpoints.save_best(self.best, step=state["step"], val_loss=val_loss)
+            return False
+        state["bad_evals"] += 1
+        return bool(self.cfg.patience) and state["bad_evals"] >= self.cfg.patience
+
+    def resume(self, state: dict) -> None:
+        if state.get("best_step") is not None and self.checkpoints is not None:
+            self.best = self.checkpoints.load_best(state["best_step"])
+
+    def restore_best(self, state: dict, name: str) -> None:
+        """Put the best weights back if the last step is not the best one."""
+        if state["best_step"] is None or state["best_step"] == state["step"]:
+            return
+        if self.best is None:
+            log.warning("%s: best weights of step %s are not available; keeping the last step's", name,
+                        state["best_step"])
+            return
+        with torch.no_grad():
+            for n, p in self.trainable.items():
+                p.copy_(self.best[n])
+        log.info("%s: carrying forward the weights of step %d (validation loss %.4f), not step %d's", name,
+                 state["best_step"], state["best_val_loss"], state["step"])
+
+
 def _restore(model, opt, ckpt, run_config: dict, structural_keys: Sequence[str], name: str) -> dict:
     c = ckpt.latest()
     if c is None:
@@ -213,10 +253,12 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
           cfg: TrainConfig, rt: Runtime, *, name: str = "train", metrics_path: Path | None = None,
           on_log: Callable[[dict], None] | None = None, checkpoints: CheckpointManager | None = None,
           ckpt_cfg: CheckpointConfig | None = None, run_config: dict | None = None,
-          structural_keys: Sequence[str] = ()) -> dict:
-    """Train until cfg.max_steps optimizer steps; return the last logging window's summary.
+          structural_keys: Sequence[str] = (), validate: Callable[[], float] | None = None) -> dict:
+    """Train until cfg.max_steps optimizer steps (or early stopping); return the last logging window's summary.
 
     `make_batches(data_state)` builds the batch stream, positioned by `data_state` on resume.
+    `validate()` returns the held-out loss; with cfg.eval_every it runs every that many steps and
+    the best weights, not the last, are left in the model.
     """
     # ---- setup
     model.to(rt.device).train()
@@ -226,15 +268,19 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
     ckpt_cfg = ckpt_cfg or CheckpointConfig()
     run_config = run_config or {}
     # ---- resume
-    state = {"step": 0, "tokens": 0, "losses": [], "skipped": 0, "data_state": None}
+    state = {"step": 0, "tokens": 0, "losses": [], "skipped": 0, "data_state": None,
+             "val_losses": [], "best_val_loss": None, "best_step": None, "bad_evals": 0, "stopped_early": False}
     if checkpoints is not None and ckpt_cfg.resume == "auto":
         state.update(_restore(model, opt, checkpoints, run_config, structural_keys, name))
+    validating = validate is not None and cfg.eval_every > 0
+    early = EarlyStopping(cfg, {n: p for n, p in model.named_parameters() if p.requires_grad}, checkpoints)
+    early.resume(state)
     batches = make_batches(state["data_state"])
     metrics_file = open(metrics_path, "a", encoding="utf-8") if metrics_path else None
     window, summary = Window(), {}
     try:
         with StopRequest() as stop, contextlib.closing(batches) if hasattr(batches, "close") else contextlib.nullcontext():
-            while state["step"] < cfg.max_steps:
+            while state["step"] < cfg.max_steps and not state["stopped_early"]:
                 # ---- step
                 try:
                     result = train_step(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, state["step"])
@@ -264,8 +310,18 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
                         metrics_file.flush()
                     if on_log:
                         on_log(summary)
+                # ---- validate (before the checkpoint, so a resume knows the best step)
+                if validating and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                    val_loss = validate()
+                    model.train()
+                    state["stopped_early"] = early.update(state, val_loss)
+                    log.info("%s step %d validation loss %.4f (best %.4f at step %d)%s", name, step, val_loss,
+                             state["best_val_loss"], state["best_step"],
+                             "; stopping early: no improvement in %d validations" % cfg.patience
+                             if state["stopped_early"] else "")
                 # ---- checkpoint
-                if checkpoints is not None and (stop.requested or (ckpt_cfg.save_every and step % ckpt_cfg.save_every == 0)):
+                if checkpoints is not None and (stop.requested or state["stopped_early"]
+                                                or (ckpt_cfg.save_every and step % ckpt_cfg.save_every == 0)):
                     with_opt = stop.requested or step % ckpt_cfg.save_optimizer_every == 0
                     stall = checkpoints.save(
                         step, weights={n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
@@ -282,6 +338,10 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
             metrics_file.close()
         if checkpoints is not None:
             checkpoints.wait()
+    if validating:
+        early.restore_best(state, name)
+        summary.update(val_losses=state["val_losses"], best_val_loss=state["best_val_loss"],
+                       best_step=state["best_step"], stopped_early=state["stopped_early"], last_step=state["step"])
     summary["losses"] = state["losses"]
     summary["skipped_batches"] = state["skipped"]
     return summary

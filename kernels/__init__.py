@@ -1,36 +1,89 @@
-"""Ops the model asks for by name. Each has a pure-torch reference in `kernels.reference`.
+"""Ops the model and the losses ask for by name; each has a pure-torch reference in `kernels.reference`.
 
-Backends: "auto" picks the fastest measured implementation per op on the device (fused Triton
-ops arrive with the kernels issue); "reference" forces the torch path everywhere; "flex" uses
-FlexAttention block masks for packed (document-masked) attention on CUDA. Measured on the H200
-(bench/RESULTS.md): for LoRA SFT at 8 × 2048 tokens the two were within run-to-run noise
-(flex/dense 0.80–1.14×), so "auto" keeps the simpler dense mask; "flex" avoids the T×T mask's
-memory at long sequence lengths.
+Backends (config key `kernels`):
+  auto       fused Triton ops on CUDA where they measured faster than the reference (AUTO_TRITON,
+             from bench/RESULTS.md), the reference everywhere else (CPU)
+  reference  the torch path everywhere
+  triton     every fused Triton op (tests use it on CPU under TRITON_INTERPRET=1)
+
+Attention (config key `attention`): "sdpa" gives packed rows a dense document-causal bool mask;
+"flex" a FlexAttention block mask on CUDA (no T×T mask; other documents' blocks skipped). Measured on
+the H200 for LoRA SFT at 8 × 2048 tokens the two were within run-to-run noise (flex/dense
+0.80–1.14×), so "auto" keeps SDPA; "flex" saves the mask's memory at long sequence lengths.
 """
 from __future__ import annotations
+
+import functools
+import importlib
 
 import torch
 
 from kernels import reference
 
-BACKENDS = ("auto", "reference", "flex")
-_BACKEND = "auto"
+BACKENDS = ("auto", "reference", "triton")
+ATTENTION = ("auto", "sdpa", "flex")
+# Ops whose Triton version "auto" uses on CUDA; the others lost to (or tied with) the reference there.
+AUTO_TRITON = {"rms_norm", "apply_rope", "swiglu", "lora_linear", "linear_cross_entropy", "linear_token_logprobs"}
+_MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
+            "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
+            "linear_token_logprobs": "triton_linear_loss"}
+_BACKEND, _ATTENTION = "auto", "auto"
 
 
-def use(backend: str) -> None:
-    global _BACKEND
+def use(backend: str, attention: str = "auto") -> None:
+    global _BACKEND, _ATTENTION
     if backend not in BACKENDS:
         raise ValueError(f"kernels backend must be one of {BACKENDS}, got {backend!r}")
-    _BACKEND = backend
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    _BACKEND, _ATTENTION = backend, attention
 
 
 def backend() -> str:
     return _BACKEND
 
 
+@functools.cache
+def _triton_op(name: str):
+    return getattr(importlib.import_module(f"kernels.{_MODULES[name]}"), name)
+
+
+def _impl(name: str, t: torch.Tensor):
+    if _BACKEND == "triton" or (_BACKEND == "auto" and t.is_cuda and name in AUTO_TRITON):
+        return _triton_op(name)
+    return getattr(reference, name)
+
+
+def rms_norm(x, weight, eps):
+    return _impl("rms_norm", x)(x, weight, eps)
+
+
+def apply_rope(q, k, cos, sin):
+    return _impl("apply_rope", q)(q, k, cos, sin)
+
+
+def swiglu(gate, up):
+    return _impl("swiglu", gate)(gate, up)
+
+
+def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
+    return _impl("lora_linear", x)(x, weight, lora_a, lora_b, scale, dropout, training)
+
+
+def linear_cross_entropy(hidden, weight, labels, ignore_index=-100):
+    return _impl("linear_cross_entropy", hidden)(hidden, weight, labels, ignore_index)
+
+
+def linear_token_logprobs(hidden, weight, labels, ignore_index=-100):
+    return _impl("linear_token_logprobs", hidden)(hidden, weight, labels, ignore_index)
+
+
+rope_cos_sin = reference.rope_cos_sin
+
+
 def document_causal_mask(doc_ids: torch.Tensor):
     """A mask object for `attention`: a dense bool mask, or a FlexAttention BlockMask ("flex" on CUDA)."""
-    if _BACKEND == "flex" and doc_ids.is_cuda:
+    if _ATTENTION == "flex" and doc_ids.is_cuda:
         from kernels import flex
         return flex.document_block_mask(doc_ids)
     return reference.document_causal_mask(doc_ids)
@@ -41,12 +94,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
         from kernels import flex
         return flex.attention(q, k, v, mask)
     return reference.attention(q, k, v, mask)
-
-
-rms_norm = reference.rms_norm
-rope_cos_sin = reference.rope_cos_sin
-apply_rope = reference.apply_rope
-swiglu = reference.swiglu
-lora_linear = reference.lora_linear
-linear_cross_entropy = reference.linear_cross_entropy
-linear_token_logprobs = reference.linear_token_logprobs

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 import kernels
 
@@ -109,6 +110,7 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
+        self.gradient_checkpointing = False     # recompute each block in backward: less memory, ~1/3 more compute
 
     @staticmethod
     def _init_weights(m: nn.Module):
@@ -127,8 +129,12 @@ class Decoder(nn.Module):
         cos, sin = kernels.rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
         x = self.model.embed_tokens(input_ids)                                    # (B, T, C)
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
+            if checkpointing:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

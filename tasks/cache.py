@@ -27,10 +27,10 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
 STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "data": ("data",),
     "tokenizer": ("tokenizer", "base_model"),
-    "pretrain": ("model", "pretrain", "device", "precision", "kernels"),
+    "pretrain": ("model", "pretrain", "device", "precision", "kernels", "attention"),
     "import_base": ("base_model",),
-    "sft": ("sft", "device", "precision", "kernels"),
-    "dpo": ("dpo", "device", "precision", "kernels"),
+    "sft": ("sft", "device", "precision", "kernels", "attention"),
+    "dpo": ("dpo", "device", "precision", "kernels", "attention"),
     "export": ("serve.dtype", "eval"),
 }
 

@@ -2,6 +2,13 @@
 import os
 import tempfile
 
+import torch
+
+# Triton kernels run in the interpreter on CPU-only machines (CI). It must be set before any
+# module with @triton.jit is imported; on a GPU the real compiler is used.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="glm-lora-prefect-")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")

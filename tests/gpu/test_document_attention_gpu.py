@@ -20,11 +20,11 @@ def test_flex_matches_dense_mask(dtype, atol, heads, kv_heads):
     k = torch.randn(B, kv_heads, T, D, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(B, kv_heads, T, D, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn(B, heads, T, D, device="cuda", dtype=dtype)
-    kernels.use("flex")
+    kernels.use("auto", "flex")
     try:
         out = kernels.attention(q, k, v, kernels.document_causal_mask(doc_ids))
     finally:
-        kernels.use("auto")
+        kernels.use("auto", "auto")
     grads = torch.autograd.grad(out, (q, k, v), g)
     ref = reference.attention(q, k, v, reference.document_causal_mask(doc_ids))
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)

@@ -121,3 +121,43 @@ def test_generate_matches_transformers_greedy(tmp_path, tie):
                              max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert theirs[0, :len(prompt)].tolist() == prompt
     assert m.generate(prompt, max_new_tokens=10) == theirs[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_gives_the_same_loss_and_grads(lora):
+    from model import inject_lora
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 12))
+    runs = []
+    for ckpt in (False, True):
+        m = tiny()
+        if lora:
+            inject_lora(m, ["q_proj", "down_proj"], r=4, alpha=8)
+            for mod in m.modules():       # a non-zero B so the adapter's gradients are non-trivial
+                if hasattr(mod, "lora_B"):
+                    torch.nn.init.normal_(mod.lora_B.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+        m.gradient_checkpointing = ckpt
+        m.train()
+        m(ids).float().pow(2).mean().backward()
+        runs.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
+    assert runs[0].keys() == runs[1].keys() and runs[0]
+    for n in runs[0]:
+        torch.testing.assert_close(runs[1][n], runs[0][n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_activation_checkpointing_saves_fewer_activations():
+    ids = torch.randint(0, 50, (2, 12))
+    saved = {}
+    for ckpt in (False, True):
+        m = tiny()
+        m.gradient_checkpointing = ckpt
+        m.train()
+        count = [0]
+
+        def pack(t):
+            count[0] += t.numel()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(ids).sum()
+        saved[ckpt] = count[0]
+    assert saved[True] < 0.5 * saved[False]

@@ -1,0 +1,241 @@
+"""What the end-to-end benchmarks share: model shapes, random SFT/DPO data, the HF twin of our
+decoder, and one timing loop that frees memory between providers.
+
+Precision policy on both sides: fp32 master weights, bf16 autocast, fused AdamW (CUDA).
+`--smoke` shrinks everything (h64 L2, vocab 1000, seq 256, fp32, CPU) to check the scripts run.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+
+import numpy as np
+import torch
+
+from bench.packing_efficiency import skewed_lengths
+from data.packing import IGNORE
+from model import DecoderConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SIZES = {
+    "125m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048),
+    "1b": dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632),
+    "smoke": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
+}
+PRECISION = "fp32 master weights, bf16 autocast, fused AdamW (both sides)"
+
+
+class RandomSFT:
+    """Random tokens of the given lengths; labels on the answer (last 30%) only."""
+
+    def __init__(self, lengths, vocab, seed=0):
+        self._lengths, self.vocab, self.rng = lengths, vocab, np.random.default_rng(seed)
+        self.tokens = self.rng.integers(3, vocab, int(lengths.sum()), dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+
+    def __len__(self):
+        return len(self._lengths)
+
+    def lengths(self):
+        return self._lengths
+
+    def example(self, i):
+        ids = self.tokens[self.offsets[i]:self.offsets[i + 1]]
+        labels = ids.copy()
+        labels[: int(len(ids) * 0.7)] = IGNORE
+        return ids, labels
+
+
+class RandomDPO:
+    """Pairs i → examples 2i (prompt + chosen), 2i+1 (same prompt + rejected); labels on answers only.
+
+    Prompts follow the skewed mix, capped so a pair (both sequences) fits one `seq_len` row;
+    answers are 16–256 tokens (scaled down with seq_len for smoke runs).
+    """
+
+    def __init__(self, n_pairs: int, vocab: int, seq_len: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        a_hi = min(256, seq_len // 8)
+        answers = rng.integers(min(16, a_hi // 2), a_hi + 1, (n_pairs, 2))
+        room = (seq_len - answers.sum(1)) // 2
+        self.prompt_len = np.minimum(scaled_lengths(n_pairs, seq_len, seed), room)
+        self.prompts = [rng.integers(3, vocab, n, dtype=np.int64) for n in self.prompt_len]
+        self.answers = [rng.integers(3, vocab, n, dtype=np.int64) for n in answers.flatten()]
+        self._lengths = (self.prompt_len[:, None] + answers).flatten()
+
+    def __len__(self):
+        return len(self._lengths)
+
+    def lengths(self):
+        return self._lengths
+
+    def example(self, i):
+        prompt = self.prompts[i // 2]
+        ids = np.concatenate([prompt, self.answers[i]])
+        labels = ids.copy()
+        labels[: len(prompt)] = IGNORE
+        return ids, labels
+
+
+def scaled_lengths(n: int, seq_len: int, seed: int = 0) -> np.ndarray:
+    """The skewed 16–2048 mix, scaled to `seq_len` (identity at 2048)."""
+    return np.maximum(skewed_lengths(n, seed) * seq_len // 2048, 8)
+
+
+def decoder_config(size: str, vocab: int, seq_len: int) -> DecoderConfig:
+    return DecoderConfig(vocab_size=vocab, max_seq_len=seq_len, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         tie_embeddings=False, **SIZES[size])
+
+
+def hf_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False):
+    """transformers' LlamaForCausalLM with our shapes, random init, SDPA attention, fp32 weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).float().train()
+    if checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def our_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False):
+    from model import Decoder
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Decoder(cfg).train()
+    if checkpointing:
+        if not hasattr(model, "gradient_checkpointing"):
+            raise NotImplementedError("Decoder has no `gradient_checkpointing` attribute yet")
+        model.gradient_checkpointing = True
+    return model
+
+
+def hf_peft(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False):
+    from peft import LoraConfig, get_peft_model
+    lora = LoraConfig(r=64, lora_alpha=128, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    return get_peft_model(hf_model(cfg, device, checkpointing), lora)
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def train_step(loss_of, opt, device: torch.device):
+    """One optimizer step on a batch: autocast forward, backward, step."""
+    def step(b):
+        with autocast(device):
+            loss = loss_of(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict:
+    """Run `step(batch)` over pre-built batches: the first `warmup` untimed, the rest timed.
+
+    Host batches are built before timing, so the figures are the step itself (with its H2D copy).
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for b in batches[:warmup]:
+        step(to_device(b, device))
+    sync()
+    warmup_s = time.perf_counter() - t0
+    measured = batches[warmup:]
+    real = sum(int(b["num_tokens"]) for b in measured)
+    slots = sum(int(b["capacity"]) for b in measured)
+    t0 = time.perf_counter()
+    for b in measured:
+        step(to_device(b, device))
+    sync()
+    dt = time.perf_counter() - t0
+    return {"real_tokens_per_s": real / dt, "token_efficiency": real / slots, "step_ms": 1000 * dt / len(measured),
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "steps": len(measured), "warmup_s": warmup_s}
+
+
+def guarded(fn, device: torch.device, oom: bool = False) -> dict:
+    """Run one provider; a failure becomes {"error": ...} (OOM re-raised when `oom`), memory freed either way."""
+    free(device)
+    try:
+        out = fn()
+    except torch.OutOfMemoryError:
+        if oom:
+            raise
+        out = {"error": "torch.OutOfMemoryError"}
+    except Exception as e:          # a provider failing must not lose the others' figures
+        out = {"error": f"{type(e).__name__}: {e}"[:800]}
+    free(device)                    # after the except block: the traceback's tensors are gone by now
+    return out
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="125m,1b", help="comma list of " + ",".join(s for s in SIZES if s != "smoke"))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--providers", default="", help="comma list: run only these providers (default: all)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, fp32, 2 steps, no compile")
+    return ap
+
+
+def setup(args) -> tuple[list[str], torch.device, int, int]:
+    """Sizes, device, vocab, seq_len for this run (--smoke overrides all four and the step counts)."""
+    if args.smoke:
+        args.steps, args.warmup = 2, 1
+        torch.set_num_threads(1)    # the CPU smoke machine is shared: 2 threads contend and run ~30x slower
+        return ["smoke"], torch.device("cpu"), 1000, 256
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --smoke)")
+    return args.sizes.split(","), torch.device("cuda"), 32000, 2048
+
+
+def selected(args, providers: tuple[str, ...]) -> list[str]:
+    wanted = [p for p in args.providers.split(",") if p]
+    unknown = set(wanted) - set(providers)
+    if unknown:
+        raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {providers}")
+    return [p for p in providers if not wanted or p in wanted]
+
+
+def table(results: dict, cols: list[tuple[str, str]]) -> None:
+    """Print `results[size][provider]`, one line per provider, `cols` = (key, format) pairs."""
+    for size, rows in results.items():
+        print(f"-- {size}")
+        for name, r in rows.items():
+            if "error" in r or "skipped" in r:
+                print(f"  {name:28s} {r.get('error') or r.get('skipped')}")
+                continue
+            print(f"  {name:28s} " + "  ".join(fmt.format(r[k]) if r.get(k) is not None else f"{k} -"
+                                               for k, fmt in cols))
+
+
+def ratios(rows: dict, base: str) -> None:
+    """Add tokens/s and peak-memory ratios vs `base` to each provider's figures, in place."""
+    ref = rows.get(base, {})
+    for r in rows.values():
+        if "real_tokens_per_s" in r and "real_tokens_per_s" in ref:
+            r[f"tokens_per_s_vs_{base}"] = r["real_tokens_per_s"] / ref["real_tokens_per_s"]
+            if r.get("peak_mem_gb") and ref.get("peak_mem_gb"):
+                r[f"peak_mem_vs_{base}"] = r["peak_mem_gb"] / ref["peak_mem_gb"]

@@ -7,6 +7,7 @@ AdamW on both sides. Providers, each over the same samples in the same order:
   ours_padded_reference   our Decoder + inject_lora, padded batches of 8, kernels "reference"
   ours_packed_reference   packed 8 × 2048 rows (document mask), kernels "reference"
   ours_packed_fused       the same, kernels "auto" (fused Triton ops)
+  ours_packed_fused_flex  the same with FlexAttention block masks (attention "flex")
 --checkpointing adds the four again with activation checkpointing (group "<size>+ckpt"; ours
 only once Decoder has a `gradient_checkpointing` attribute). Real tokens/s counts non-padding
 tokens; ratios are vs hf_peft_padded of the same group.
@@ -27,7 +28,8 @@ from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import inject_lora
 
-PROVIDERS = ("hf_peft_padded", "ours_padded_reference", "ours_packed_reference", "ours_packed_fused")
+PROVIDERS = ("hf_peft_padded", "ours_padded_reference", "ours_packed_reference", "ours_packed_fused",
+             "ours_packed_fused_flex")
 BASE = "hf_peft_padded"
 
 
@@ -46,7 +48,7 @@ def run(name: str, size: str, src: RandomSFT, args, device: torch.device, vocab:
         def loss_of(b):
             return model(input_ids=b["input_ids"], attention_mask=(b["doc_ids"] != 0).long(), labels=b["labels"]).loss
     else:
-        kernels.use("auto" if name.endswith("fused") else "reference")
+        kernels.use("reference" if name.endswith("reference") else "auto", "flex" if name.endswith("flex") else "sdpa")
         model = our_model(cfg, device, checkpointing)
         inject_lora(model, TARGETS, r=64, alpha=128)
 

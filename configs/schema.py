@@ -80,6 +80,7 @@ class LoRAConfig(Section):
     alpha: float = 32.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = list(LORA_TARGETS)
+    b_lr_ratio: float = Field(1.0, gt=0)   # LoRA+: B's learning rate = this × lr (1 = plain LoRA)
 
     @model_validator(mode="after")
     def _known_targets(self):

@@ -90,7 +90,7 @@ def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, tra
     lr = lr_at(step, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, base_lr=cfg.lr,
                min_lr_ratio=cfg.min_lr_ratio)
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     total, metrics, tokens, capacity, wait, data_state = 0.0, {}, 0, 0, 0.0, None
     for micro in range(cfg.grad_accum):
         t = time.perf_counter()
@@ -262,7 +262,9 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
     """
     # ---- setup
     model.to(rt.device).train()
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, fused=rt.device.type == "cuda")
+    lora = getattr(cfg, "lora", None)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, fused=rt.device.type == "cuda",
+                          lora_b_lr_ratio=lora.b_lr_ratio if lora is not None else 1.0)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     ckpt_cfg = ckpt_cfg or CheckpointConfig()

@@ -1,15 +1,21 @@
 """Ops the model and the losses ask for by name; each has a pure-torch reference in `kernels.reference`.
 
 Backends (config key `kernels`):
-  auto       fused Triton ops on CUDA where they measured faster than the reference (AUTO_TRITON,
-             from bench/RESULTS.md), the reference everywhere else (CPU)
+  auto       the fused Triton op on CUDA wherever it measured faster than eager torch and than
+             torch.compile of the reference (bench/RESULTS.md, "Kernels"), the reference elsewhere (CPU)
   reference  the torch path everywhere
   triton     every fused Triton op (tests use it on CPU under TRITON_INTERPRET=1)
 
-Attention (config key `attention`): "sdpa" gives packed rows a dense document-causal bool mask;
-"flex" a FlexAttention block mask on CUDA (no T×T mask; other documents' blocks skipped). Measured on
-the H200 for LoRA SFT at 8 × 2048 tokens the two were within run-to-run noise (flex/dense
-0.80–1.14×), so "auto" keeps SDPA; "flex" saves the mask's memory at long sequence lengths.
+Exceptions "auto" makes, from those measurements (H200, bf16, 16k tokens):
+  rms_norm     with a trainable weight and rows < 1024 wide the Triton backward's dweight reduction
+               lost to eager (1.29×); frozen weights (LoRA) or wide rows: Triton wins (0.39–0.48×)
+  lora_linear  with dropout the Triton RNG kernel lost to torch dropout + cuBLAS (1.9× slower); the
+               fused cuBLAS-accumulating path without dropout is 1.2–1.4× the frozen GEMM, PEFT 1.5–2×
+
+Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
+"flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" picks flex on
+CUDA (1B LoRA SFT at 8 × 2048: 1.25× the tokens/s of the dense mask, less memory) and sdpa on CPU
+(FlexAttention has no CPU backward).
 """
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ def _impl(name: str, t: torch.Tensor):
 
 
 def rms_norm(x, weight, eps):
+    if _BACKEND == "auto" and weight.requires_grad and x.shape[-1] < 1024:
+        return reference.rms_norm(x, weight, eps)
     return _impl("rms_norm", x)(x, weight, eps)
 
 
@@ -67,6 +75,8 @@ def swiglu(gate, up):
 
 
 def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
+    if _BACKEND == "auto" and dropout > 0 and training:
+        return reference.lora_linear(x, weight, lora_a, lora_b, scale, dropout, training)
     return _impl("lora_linear", x)(x, weight, lora_a, lora_b, scale, dropout, training)
 
 
@@ -83,7 +93,7 @@ rope_cos_sin = reference.rope_cos_sin
 
 def document_causal_mask(doc_ids: torch.Tensor):
     """A mask object for `attention`: a dense bool mask, or a FlexAttention BlockMask ("flex" on CUDA)."""
-    if _ATTENTION == "flex" and doc_ids.is_cuda:
+    if _ATTENTION in ("flex", "auto") and doc_ids.is_cuda:
         from kernels import flex
         return flex.document_block_mask(doc_ids)
     return reference.document_causal_mask(doc_ids)

@@ -318,3 +318,17 @@ def test_grad_accum_matches_full_batch():
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4, msg=na)
     assert not torch.allclose(a.lm_head.weight, tiny(seed=4).lm_head.weight)
+
+
+def test_lora_plus_trains_b_with_a_larger_learning_rate():
+    m = tiny()
+    inject_lora(m, ["q_proj", "v_proj"], r=4, alpha=8)
+    opt = build_optimizer(m, 1e-3, 0.1, lora_b_lr_ratio=16.0)
+    names = {id(p): n for n, p in m.named_parameters()}
+    for g in opt.param_groups:
+        kinds = {names[id(p)].rsplit(".", 2)[-2] for p in g["params"]}
+        assert kinds == ({"lora_B"} if g["lr_scale"] == 16.0 else {"lora_A"})
+    train(m, causal_lm_loss, lambda _: itertools.repeat(batch()),
+          cfg(max_steps=1, lr=1e-3), CPU)     # plain TrainConfig: no LoRA+ (ratio 1)
+    plain = build_optimizer(m, 1e-3, 0.0)
+    assert {g["lr_scale"] for g in plain.param_groups} == {1.0}

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import kernels
 from bench.common import write_result
-from bench.workloads import (train_step, PRECISION, SIZES, TARGETS, RandomDPO, autocast, decoder_config, free, guarded, hf_peft,
+from bench.workloads import (precision_note, result_name, train_step, SIZES, TARGETS, RandomDPO, autocast, decoder_config, free, guarded, hf_peft,
                              our_model, parser, ratios, selected, setup, table, timed)
 from data.packing import IGNORE, PackedBatches, padded_batches
 from data.sampler import EpochSampler
@@ -107,11 +107,11 @@ def main() -> None:
                     ("token_efficiency", "eff {:.3f}"), ("step_ms", "{:7.1f} ms/step"), ("peak_mem_gb", "peak {:5.1f} GB"),
                     (f"tokens_per_s_vs_{BASE}", "{:5.2f}x tok/s"), (f"peak_mem_vs_{BASE}", "{:4.2f}x mem")])
     figures = {"workload": f"LoRA r64 a128 DPO beta {BETA}, prompt skewed mix capped, answers 16-256, pair <= {seq_len} tokens",
-               "precision": PRECISION if device.type == "cuda" else "fp32 (smoke, CPU)",
+               "precision": precision_note() if device.type == "cuda" else "fp32 (smoke, CPU)",
                "reference_policy": "same weights with the adapter disabled (both sides); LoRA B = 0 at init, so policy = reference",
                "shapes": {s: SIZES[s] for s in sizes}, "vocab": vocab, "seq_len": seq_len,
                "steps": args.steps, "warmup": args.warmup, "results": results}
-    print("->", write_result("e2e_dpo_gpu" + ("_smoke" if args.smoke else ""), figures))
+    print("->", write_result(result_name("e2e_dpo_gpu", args), figures))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 
 import kernels
 from bench.common import write_result
-from bench.workloads import (train_step, PRECISION, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
+from bench.workloads import (precision_note, result_name, train_step, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
                              ratios, selected, setup, table, timed)
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
@@ -97,11 +97,11 @@ def main() -> None:
                     ("peak_mem_gb", "peak {:5.1f} GB"), (f"tokens_per_s_vs_{BASE}", "{:5.2f}x tok/s"),
                     ("warmup_s", "warmup {:.0f} s")])
     figures = {"workload": f"full-parameter pretraining, {args.rows} x {seq_len} random tokens, causal, loss on all tokens",
-               "precision": PRECISION if device.type == "cuda" else "fp32 (smoke, CPU)",
+               "precision": precision_note() if device.type == "cuda" else "fp32 (smoke, CPU)",
                "mfu_formula": MFU_FORMULA, "peak_flops": PEAK_FLOPS, "flops": flops,
                "shapes": {s: SIZES[s] for s in sizes}, "vocab": vocab, "seq_len": seq_len,
                "steps": args.steps, "warmup": args.warmup, "results": results}
-    print("->", write_result("e2e_pretrain_gpu" + ("_smoke" if args.smoke else ""), figures))
+    print("->", write_result(result_name("e2e_pretrain_gpu", args), figures))
 
 
 if __name__ == "__main__":

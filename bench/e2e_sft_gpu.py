@@ -20,7 +20,7 @@ import torch
 
 import kernels
 from bench.common import write_result
-from bench.workloads import (train_step, PRECISION, SIZES, TARGETS, RandomSFT, autocast, decoder_config, guarded, hf_peft,
+from bench.workloads import (precision_note, result_name, train_step, SIZES, TARGETS, RandomSFT, autocast, decoder_config, guarded, hf_peft,
                              our_model, parser, ratios, scaled_lengths, selected, setup, table, timed)
 from data.packing import PackedBatches, padded_batches
 from data.sampler import EpochSampler
@@ -79,11 +79,11 @@ def main() -> None:
                     ("step_ms", "{:7.1f} ms/step"), ("peak_mem_gb", "peak {:5.1f} GB"),
                     (f"tokens_per_s_vs_{BASE}", "{:5.2f}x tok/s"), (f"peak_mem_vs_{BASE}", "{:4.2f}x mem")])
     figures = {"workload": "LoRA SFT r64 a128 on 7 projections, skewed lengths, answer-only labels (last 30%)",
-               "precision": PRECISION if device.type == "cuda" else "fp32 (smoke, CPU)",
+               "precision": precision_note() if device.type == "cuda" else "fp32 (smoke, CPU)",
                "batching": {"padded": "8 samples padded to the longest", "packed": f"8 rows x {seq_len} tokens"},
                "shapes": {s: SIZES[s] for s in sizes}, "vocab": vocab, "steps": args.steps, "warmup": args.warmup,
                "samples": args.samples, "results": results}
-    print("->", write_result("e2e_sft_gpu" + ("_smoke" if args.smoke else ""), figures))
+    print("->", write_result(result_name("e2e_sft_gpu", args), figures))
 
 
 if __name__ == "__main__":

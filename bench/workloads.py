@@ -24,7 +24,14 @@ SIZES = {
     "1b": dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632),
     "smoke": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
 }
-PRECISION = "fp32 master weights, bf16 autocast, fused AdamW (both sides)"
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+_amp = {"dtype": torch.bfloat16}    # set by setup() from --precision
+
+
+def precision_note() -> str:
+    amp = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + dynamic loss scaling",
+           None: "no autocast (fp32)"}[_amp["dtype"]]
+    return f"fp32 master weights, {amp}, fused AdamW (both sides)"
 
 
 class RandomSFT:
@@ -125,7 +132,9 @@ def hf_peft(cfg: DecoderConfig, device: torch.device, checkpointing: bool = Fals
 
 
 def autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or _amp["dtype"] is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=_amp["dtype"])
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -141,12 +150,15 @@ def free(device: torch.device) -> None:
 
 
 def train_step(loss_of, opt, device: torch.device):
-    """One optimizer step on a batch: autocast forward, backward, step."""
+    """One optimizer step on a batch: autocast forward, backward (loss-scaled in fp16), step."""
+    scaler = torch.amp.GradScaler(device.type, enabled=_amp["dtype"] == torch.float16 and device.type == "cuda")
+
     def step(b):
         with autocast(device):
             loss = loss_of(b)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
     return step
 
@@ -197,11 +209,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--providers", default="", help="comma list: run only these providers (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, fp32, 2 steps, no compile")
+    ap.add_argument("--precision", choices=list(AMP_DTYPES), default="bf16", help="autocast dtype on the GPU")
     return ap
 
 
 def setup(args) -> tuple[list[str], torch.device, int, int]:
     """Sizes, device, vocab, seq_len for this run (--smoke overrides all four and the step counts)."""
+    _amp["dtype"] = AMP_DTYPES[args.precision]
     if args.smoke:
         args.steps, args.warmup = 2, 1
         torch.set_num_threads(1)    # the CPU smoke machine is shared: 2 threads contend and run ~30x slower
@@ -209,6 +223,11 @@ def setup(args) -> tuple[list[str], torch.device, int, int]:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke)")
     return args.sizes.split(","), torch.device("cuda"), 32000, 2048
+
+
+def result_name(base: str, args) -> str:
+    """bench/results/<name>.json: one file per precision (bf16 unsuffixed) and for smoke runs."""
+    return base + ("" if args.precision == "bf16" else f"_{args.precision}") + ("_smoke" if args.smoke else "")
 
 
 def selected(args, providers: tuple[str, ...]) -> list[str]:

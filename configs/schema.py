@@ -25,8 +25,8 @@ class SyntheticData(Section):
 
     seed: int = 0
     n_pretrain: int = Field(4000, ge=3)
-    n_sft: int = Field(4000, ge=1)
-    n_dpo: int = Field(1000, ge=1)
+    n_sft: int = Field(40000, ge=1)     # enough distinct rows that SFT generalises instead of memorising
+    n_dpo: int = Field(4000, ge=1)
     n_eval: int = Field(200, ge=1)
 
 

@@ -49,7 +49,7 @@ def test_dotted_overrides_apply_nested_and_leave_the_rest():
     assert cfg.sft.lora.alpha == 64              # sibling from the preset untouched
     assert cfg.dpo.lora.r == 16                  # the other stage's lora untouched
     assert cfg.data.synthetic.n_sft == 12
-    assert cfg.data.synthetic.n_dpo == 1000      # sibling default kept
+    assert cfg.data.synthetic.n_dpo == 4000      # sibling default kept
     assert cfg.sft.lr == pytest.approx(1e-4) and isinstance(cfg.sft.lr, float)
     assert cfg.serve.enabled is False
     assert cfg.sft.lora.target_modules == ["q_proj", "v_proj"]

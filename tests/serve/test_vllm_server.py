@@ -118,9 +118,11 @@ def test_vllm_serves_base_and_lora_like_transformers(tmp_path: Path) -> None:
         for name, expected in (("tiny", base_ids), ("tiny-lora", lora_ids)):
             ids, text = _vllm_greedy(handle, name)
             assert ids == expected, f"{name}: vLLM {ids} != transformers {expected}"
-            assert text == tok.decode(expected, skip_special_tokens=True)
+            # vLLM's incremental detokenizer holds back a trailing incomplete UTF-8 byte sequence
+            # (byte-fallback tokens of a random model); the ids above are the exact check.
+            assert text == tok.decode(expected, skip_special_tokens=True).rstrip("\ufffd")
             print(f"{name}: {len(ids)} tokens, stopped at <|im_end|>: {ids[-1] == im_end}, text {text!r}")
-        assert vs.chat(handle, MESSAGES, max_tokens=MAX_TOKENS) == tok.decode(base_ids, skip_special_tokens=True)
+        assert vs.chat(handle, MESSAGES, max_tokens=MAX_TOKENS) == tok.decode(base_ids, skip_special_tokens=True).rstrip("\ufffd")
     finally:
         t1 = time.monotonic()
         vs.stop_server(handle.pid)

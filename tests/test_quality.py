@@ -1,0 +1,45 @@
+"""The embedded default learns: the whole tiny DAG (default config, no serving) clears stated floors.
+
+These floors sit below what the default reaches (README "Answer quality") so that noise between
+machines passes while a regression in learning (data, tokenizer, model, losses, schedule) fails.
+"""
+import pytest
+
+from configs import load_config
+from flows.cli import run_one_stage
+
+pytestmark = pytest.mark.slow
+
+# Measured on the default (README): stated here, checked below.
+FLOORS = {
+    "pretrain_perplexity_drop": 5.0,        # held-out perplexity at init / after pretraining
+    "sft_val_loss_drop": 0.10,              # first → best SFT validation loss (nats per answer token)
+    "dpo_implicit_reward_accuracy": 0.60,
+}
+
+
+@pytest.fixture(scope="module")
+def metrics(tmp_path_factory):
+    cfg = load_config("tiny", {"runs_dir": str(tmp_path_factory.mktemp("quality")), "serve.enabled": False})
+    out = {}
+    for stage in ("data", "tokenizer", "pretrain", "sft", "dpo"):
+        out[stage] = run_one_stage(stage, cfg).manifest()["metrics"]
+    return out
+
+
+def test_pretraining_cuts_held_out_perplexity(metrics):
+    e = metrics["pretrain"]["eval"]
+    assert e["init_perplexity"] / e["perplexity"] >= FLOORS["pretrain_perplexity_drop"], e
+
+
+def test_sft_validation_loss_falls_and_the_best_weights_are_kept(metrics):
+    m = metrics["sft"]
+    first = m["val_losses"][0][1]
+    assert first - m["best_val_loss"] >= FLOORS["sft_val_loss_drop"], m["val_losses"]
+    assert m["best_val_loss"] == min(v for _, v in m["val_losses"])
+
+
+def test_dpo_prefers_chosen_answers_on_held_out_pairs(metrics):
+    e = metrics["dpo"]["eval"]
+    assert e["implicit_reward_accuracy"] >= FLOORS["dpo_implicit_reward_accuracy"], e
+    assert e["mean_margin"] > 0, e

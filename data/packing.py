@@ -8,6 +8,7 @@ Groups (a DPO chosen/rejected pair) always land in the same row, next to each ot
 
 Batch dict (int64 tensors unless noted):
     input_ids, labels, position_ids, doc_ids   (rows, seq_len); doc id 0 = padding
+    target_positions                           flat indices into labels[:, 1:] that are not IGNORE
     num_tokens                                 real (non-padding) tokens (int: no device sync to read it)
     packed                                     bool: rows hold several documents (needs the doc mask)
     capacity                                   rows × seq_len
@@ -56,7 +57,11 @@ def place(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, group_s
             col += n
         real += col
     groups = torch.arange(1, doc + 1).view(-1, group_size)
+    # Flat indices of the (rows, seq_len - 1) next-token targets that are labelled: the loss runs the
+    # lm_head on those rows only, without a device→host sync to find them.
+    targets = np.flatnonzero(labels[:, 1:] != IGNORE)
     return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+            "target_positions": torch.from_numpy(targets),
             "position_ids": torch.from_numpy(position_ids), "doc_ids": torch.from_numpy(doc_ids),
             "num_tokens": real, "capacity": n_rows * seq_len, "group_docs": groups,
             "packed": packed}

@@ -28,6 +28,7 @@ from data.packing import PackedBatches, padded_batches
 from data.synthetic import check_answer
 from data.tokenize import dpo_examples, lm_examples
 from engine.losses import causal_lm_loss, group_logprobs
+from engine.trainer import to_device
 from model.lora import lora_disabled, lora_modules
 
 ALL = "all"  # the family of rows without a "task" field
@@ -65,10 +66,6 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 # ---------------------------------------------------------------- language modelling
 
 def lm_metrics(model, tok, texts: Iterable[str], *, seq_len: int, batch_rows: int = 8) -> dict:
@@ -96,7 +93,7 @@ def lm_metrics(model, tok, texts: Iterable[str], *, seq_len: int, batch_rows: in
     device = _device(model)
     with _evaluating(model):
         for batch in batches:
-            loss, m = causal_lm_loss(model, _to(batch, device))
+            loss, m = causal_lm_loss(model, to_device(batch, device))
             count = int(m["target_tokens"])
             nll += float(loss) * count
             tokens += count
@@ -227,7 +224,7 @@ def _pair_logprobs(model, source: _Examples, batch_pairs: int) -> torch.Tensor:
     for start in range(0, n, batch_pairs):
         stop = min(start + batch_pairs, n)
         batch = next(padded_batches(source, iter(range(start, stop)), batch_size=stop - start, group_size=2))
-        out.append(group_logprobs(model, _to(batch, device))[0].float().cpu())
+        out.append(group_logprobs(model, to_device(batch, device))[0].float().cpu())
     return torch.cat(out)
 
 

@@ -24,8 +24,11 @@ def causal_lm_loss(model, batch) -> tuple[torch.Tensor, dict]:
     """Mean next-token NLL over labelled tokens (pretrain: all; SFT: assistant tokens only)."""
     hidden, labels = _shifted(model, batch)
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
-    # SFT labels only the answers (~15% of tokens on the default data): the lm_head runs on those rows only.
-    keep = (labels != IGNORE).nonzero().squeeze(1)
+    # SFT labels only the answers (~15% of tokens on the default data): the lm_head runs on those rows
+    # only. Batches from data.packing carry their positions (no host sync); hand-built ones don't.
+    keep = batch.get("target_positions")
+    if keep is None:
+        keep = (labels != IGNORE).nonzero().squeeze(1)
     hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
     loss_sum, count = kernels.linear_cross_entropy(hidden, model.lm_head.weight, labels)
     loss = loss_sum / count.clamp(min=1)

@@ -13,14 +13,12 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, fuse
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("model has no trainable parameters")
-    groups = []
-    for scale in {1.0, lora_b_lr_ratio}:
-        picked = [(n, p) for n, p in named if (lora_b_lr_ratio if n.endswith("lora_B.weight") else 1.0) == scale]
-        decay = [p for _, p in picked if p.ndim >= 2]
-        no_decay = [p for _, p in picked if p.ndim < 2]
-        groups += [{"params": decay, "weight_decay": weight_decay, "lr_scale": scale},
-                   {"params": no_decay, "weight_decay": 0.0, "lr_scale": scale}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), fused=fused)
+    groups: dict[tuple[float, bool], list] = {}       # (lr_scale, decayed: matrices only) -> params
+    for n, p in named:
+        scale = lora_b_lr_ratio if n.endswith("lora_B.weight") else 1.0
+        groups.setdefault((scale, p.ndim >= 2), []).append(p)
+    return torch.optim.AdamW([{"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale}
+                              for (scale, decay), ps in groups.items()], lr=lr, betas=(0.9, 0.95), fused=fused)
 
 
 def lr_at(step: int, *, max_steps: int, warmup_steps: int, base_lr: float, min_lr_ratio: float) -> float:

@@ -28,7 +28,7 @@ from data.tokenizer import load_tokenizer
 from engine.losses import DPOLoss, causal_lm_loss
 from engine import evaluate
 from engine.checkpoint import CheckpointManager
-from engine.trainer import Runtime, train
+from engine.trainer import Runtime, to_device, train
 from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
 from model.hf import load_hf_llama, load_native, save_native
 
@@ -127,16 +127,16 @@ def validation_loss(cfg: Config, kind: str, tc: TrainConfig, loss_fn, model, tok
     @torch.no_grad()
     def validate() -> float:
         model.eval()
-        total, weight = torch.zeros((), device=rt.device), 0.0
+        total, weight = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         batches = PackedBatches(store, iter(range(groups)), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
         for batch in batches:
-            batch = {k: v.to(rt.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = to_device(batch, rt.device)
             with rt.autocast():
                 loss, m = loss_fn(model, batch)
             w = m["target_tokens"] if "target_tokens" in m else batch["group_docs"].shape[0]
             total += loss.float() * w
-            weight += float(w)
-        return float(total) / max(weight, 1.0)
+            weight += w
+        return float(total / weight.clamp(min=1))
     return validate
 
 

@@ -69,7 +69,7 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
+def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
@@ -94,7 +94,7 @@ def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, tra
     total, metrics, tokens, capacity, wait, data_state = 0.0, {}, 0, 0, 0.0, None
     for micro in range(cfg.grad_accum):
         t = time.perf_counter()
-        batch = _to_device(next(batches), rt.device)
+        batch = to_device(next(batches), rt.device)
         wait += time.perf_counter() - t
         data_state = batch.get("data_state")
         with rt.autocast():

@@ -29,8 +29,6 @@ from kernels import reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
-# Ops whose Triton version "auto" uses on CUDA; the others lost to (or tied with) the reference there.
-AUTO_TRITON = {"rms_norm", "apply_rope", "swiglu", "lora_linear", "linear_cross_entropy", "linear_token_logprobs"}
 _MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss"}
@@ -55,16 +53,15 @@ def _triton_op(name: str):
     return getattr(importlib.import_module(f"kernels.{_MODULES[name]}"), name)
 
 
-def _impl(name: str, t: torch.Tensor):
-    if _BACKEND == "triton" or (_BACKEND == "auto" and t.is_cuda and name in AUTO_TRITON):
+def _impl(name: str, t: torch.Tensor, fused_pays: bool = True):
+    """`fused_pays`: False where "auto" measured the reference faster for these inputs (see above)."""
+    if _BACKEND == "triton" or (_BACKEND == "auto" and t.is_cuda and fused_pays):
         return _triton_op(name)
     return getattr(reference, name)
 
 
 def rms_norm(x, weight, eps):
-    if _BACKEND == "auto" and weight.requires_grad and x.shape[-1] < 1024:
-        return reference.rms_norm(x, weight, eps)
-    return _impl("rms_norm", x)(x, weight, eps)
+    return _impl("rms_norm", x, fused_pays=not (weight.requires_grad and x.shape[-1] < 1024))(x, weight, eps)
 
 
 def apply_rope(q, k, cos, sin):
@@ -76,9 +73,8 @@ def swiglu(gate, up):
 
 
 def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
-    if _BACKEND == "auto" and dropout > 0 and training:
-        return reference.lora_linear(x, weight, lora_a, lora_b, scale, dropout, training)
-    return _impl("lora_linear", x)(x, weight, lora_a, lora_b, scale, dropout, training)
+    impl = _impl("lora_linear", x, fused_pays=not (dropout > 0 and training))
+    return impl(x, weight, lora_a, lora_b, scale, dropout, training)
 
 
 def linear_cross_entropy(hidden, weight, labels, ignore_index=-100):

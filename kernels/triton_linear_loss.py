@@ -129,6 +129,21 @@ def _backprop_chunk(dlogits, h, w, s, e, dh, dw):
             dw += dlogits.t() @ h[s:e]
 
 
+def _forward_chunks(h, w, labels, rows, ignore_index, write_grad, each_chunk=None):
+    """Per-row lse and NLL over `rows`-row logits chunks; `each_chunk(logits, s, e)` sees each chunk
+    (overwritten by its gradient when write_grad) before the next one is computed."""
+    n = h.shape[0]
+    lse = torch.empty(n, dtype=_acc_dtype(h.dtype), device=h.device)
+    nll = torch.empty_like(lse)
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        logits = h[s:e] @ w.t()
+        _lse(logits, labels[s:e], lse[s:e], nll[s:e], ignore_index, write_grad)
+        if each_chunk is not None:
+            each_chunk(logits, s, e)
+    return lse, nll
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, grad_enabled):
@@ -136,15 +151,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         cdt = _compute_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, labels, rows = _prepare(hidden, weight, labels, chunk_size, cdt)
-            n = h.shape[0]
-            lse = torch.empty(n, dtype=_acc_dtype(h.dtype), device=h.device)
-            nll = torch.empty_like(lse)
             dh, dw = _grad_buffers(hidden, weight, need_dh, need_dw)
-            for s in range(0, n, rows):
-                e = min(s + rows, n)
-                logits = h[s:e] @ w.t()
-                _lse(logits, labels[s:e], lse[s:e], nll[s:e], ignore_index, need_dh or need_dw)
-                _backprop_chunk(logits, h, w, s, e, dh, dw)
+            _, nll = _forward_chunks(h, w, labels, rows, ignore_index, need_dh or need_dw,
+                                     lambda logits, s, e: _backprop_chunk(logits, h, w, s, e, dh, dw))
         ctx.save_for_backward(None if dh is None else dh.view(hidden.shape), None if dw is None else dw.to(weight.dtype))
         return nll.sum()
 
@@ -160,12 +169,7 @@ class LinearTokenLogprobs(torch.autograd.Function):
         cdt = _compute_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, flat_labels, rows = _prepare(hidden, weight, labels, chunk_size, cdt)
-            n = h.shape[0]
-            lse = torch.empty(n, dtype=_acc_dtype(h.dtype), device=h.device)
-            nll = torch.empty_like(lse)
-            for s in range(0, n, rows):
-                e = min(s + rows, n)
-                _lse(h[s:e] @ w.t(), flat_labels[s:e], lse[s:e], nll[s:e], ignore_index, False)
+            lse, nll = _forward_chunks(h, w, flat_labels, rows, ignore_index, False)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.ignore_index, ctx.chunk_size, ctx.cdt = ignore_index, chunk_size, cdt
         return (-nll).view(labels.shape)

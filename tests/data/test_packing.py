@@ -208,3 +208,11 @@ def test_data_state_in_each_batch_resumes_exactly_through_prefetch():
         got = next(resumed)
         for k in ("input_ids", "labels", "position_ids", "doc_ids"):
             assert torch.equal(got[k], e[k])
+
+
+def test_target_positions_are_the_labelled_next_token_targets():
+    b = next(PackedBatches(ListSource(_docs(9, seed=5)), _cycle(9), rows=3, seq_len=40))
+    expected = (b["labels"][:, 1:] != IGNORE).flatten().nonzero().squeeze(1)
+    assert torch.equal(b["target_positions"], expected) and 0 < len(expected) < b["labels"][:, 1:].numel()
+    padded = next(padded_batches(ListSource(_docs(4, seed=6)), _cycle(4), batch_size=4))
+    assert torch.equal(padded["target_positions"], (padded["labels"][:, 1:] != IGNORE).flatten().nonzero().squeeze(1))

@@ -12,7 +12,7 @@ import engine.losses as losses
 from configs.schema import TrainConfig
 from engine.losses import DPOLoss, causal_lm_loss, group_logprobs
 from engine.optim import build_optimizer, lr_at
-from engine.trainer import NonFiniteLossError, Runtime, train
+from engine.trainer import NonFiniteLossError, Runtime, train, train_step
 from model import Decoder, DecoderConfig, inject_lora
 from model.lora import lora_modules
 
@@ -325,10 +325,10 @@ def test_lora_plus_trains_b_with_a_larger_learning_rate():
     inject_lora(m, ["q_proj", "v_proj"], r=4, alpha=8)
     opt = build_optimizer(m, 1e-3, 0.1, lora_b_lr_ratio=16.0)
     names = {id(p): n for n, p in m.named_parameters()}
-    for g in opt.param_groups:
+    c = cfg(max_steps=10, lr=1e-3, warmup_steps=0, min_lr_ratio=1.0)
+    train_step(m, causal_lm_loss, itertools.repeat(batch()), opt, torch.amp.GradScaler("cpu", enabled=False),
+               [p for p in m.parameters() if p.requires_grad], c, CPU, step=0)
+    for g in opt.param_groups:                           # the loop applied each group's scale
         kinds = {names[id(p)].rsplit(".", 2)[-2] for p in g["params"]}
-        assert kinds == ({"lora_B"} if g["lr_scale"] == 16.0 else {"lora_A"})
-    train(m, causal_lm_loss, lambda _: itertools.repeat(batch()),
-          cfg(max_steps=1, lr=1e-3), CPU)     # plain TrainConfig: no LoRA+ (ratio 1)
-    plain = build_optimizer(m, 1e-3, 0.0)
-    assert {g["lr_scale"] for g in plain.param_groups} == {1.0}
+        assert (kinds, g["lr"]) == (({"lora_B"}, 16e-3) if g["lr_scale"] == 16.0 else ({"lora_A"}, 1e-3))
+    assert {g["lr_scale"] for g in build_optimizer(m, 1e-3, 0.0).param_groups} == {1.0}

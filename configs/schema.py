@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator, PositiveFloat
 
 # vLLM's CPU attention backend supports only these head sizes (a server with another one starts,
 # then dies on the first request).
@@ -28,6 +28,7 @@ class SyntheticData(Section):
     n_sft: int = Field(40000, ge=1)     # enough distinct rows that SFT generalises instead of memorising
     n_dpo: int = Field(4000, ge=1)
     n_eval: int = Field(200, ge=1)
+    sft_weights: dict[str, PositiveFloat] = {}  # task family → share weight in the SFT file (default 1 each)
 
 
 class DataConfig(Section):
@@ -63,6 +64,7 @@ class ModelConfig(Section):
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: bool = False
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -81,6 +83,8 @@ class LoRAConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = list(LORA_TARGETS)
     b_lr_ratio: float = Field(1.0, gt=0)   # LoRA+: B's learning rate = this × lr (1 = plain LoRA)
+    # Trained in full beside the adapter and saved with it (PEFT's modules_to_save).
+    modules_to_save: list[Literal["embed_tokens", "lm_head"]] = []
 
     @model_validator(mode="after")
     def _known_targets(self):
@@ -127,6 +131,13 @@ class DPOConfig(TrainConfig):
     lora: LoRAConfig = LoRAConfig()
     beta: float = Field(0.1, gt=0)
     nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation)
+
+    @model_validator(mode="after")
+    def _reference_stays_frozen(self):
+        if self.lora.modules_to_save:
+            raise ValueError("dpo.lora.modules_to_save must be empty: DPO's reference is the same weights with the "
+                             "adapter switched off, so fully trained modules would move the reference too")
+        return self
 
 
 class CheckpointConfig(Section):

@@ -32,7 +32,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
     if len(user) < len(SPLITS):
         syn = cfg.synthetic
         generated = synthetic.generate(out_dir, seed=syn.seed, n_pretrain=syn.n_pretrain, n_sft=syn.n_sft,
-                                       n_dpo=syn.n_dpo, n_eval=syn.n_eval)
+                                       n_dpo=syn.n_dpo, n_eval=syn.n_eval, sft_weights=syn.sft_weights)
         for s in user:
             generated.pop(s, None)
             (out_dir / f"{s}.jsonl").unlink(missing_ok=True)
@@ -83,4 +83,4 @@ def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model
             raise ValueError(f"base_model {base_model}: tokenizer defines no eos_token")
         return {"source": str(base_model), "files": len(found), "vocab_size": len(tok)}
     train_tokenizer([split_path(data_dir, "pretrain")], Path(out_dir), vocab_size=vocab_size, seed=seed)
-    return {"vocab_size": vocab_size}
+    return {"vocab_size": len(load_tokenizer(out_dir)), "requested_vocab_size": vocab_size}

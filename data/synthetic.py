@@ -133,12 +133,22 @@ def make_example(rng: random.Random, task: str) -> Example:
     return _MAKERS[task](rng, task)
 
 
-def _examples(rng: random.Random, n: int, exclude: set[tuple], unique: bool = False) -> list[Example]:
-    """n examples, families round-robin, none whose key is in `exclude` (nor repeated, if unique)."""
+def _families(n: int, weights: dict[str, float] | None) -> Iterable[str]:
+    """n family names interleaved evenly in proportion to `weights` (default: round-robin)."""
+    weights = {t: (weights or {}).get(t, 1.0) for t in TASK_FAMILIES}
+    total, counts = sum(weights.values()), dict.fromkeys(TASK_FAMILIES, 0)
+    for i in range(n):
+        task = max(TASK_FAMILIES, key=lambda t: weights[t] * (i + 1) / total - counts[t])
+        counts[task] += 1
+        yield task
+
+
+def _examples(rng: random.Random, n: int, exclude: set[tuple], unique: bool = False,
+              weights: dict[str, float] | None = None) -> list[Example]:
+    """n examples, families interleaved by `weights`, none whose key is in `exclude` (nor repeated, if unique)."""
     out: list[Example] = []
     seen = set(exclude)
-    for i in range(n):
-        task = TASK_FAMILIES[i % len(TASK_FAMILIES)]
+    for task in _families(n, weights):
         for _ in range(10_000):
             ex = make_example(rng, task)
             if ex.key not in seen:
@@ -290,8 +300,14 @@ def _write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
 
 
 def generate(out_dir: Path, *, seed: int = 0, n_pretrain: int = 4000, n_sft: int = 4000,
-             n_dpo: int = 1000, n_eval: int = 200) -> dict[str, Path]:
-    """Write the six JSONL files into `out_dir`; the same seed gives byte-identical files."""
+             n_dpo: int = 1000, n_eval: int = 200, sft_weights: dict[str, float] | None = None) -> dict[str, Path]:
+    """Write the six JSONL files into `out_dir`; the same seed gives byte-identical files.
+
+    `sft_weights` (family → weight, default 1) sets the SFT file's mix; eval sets stay balanced.
+    """
+    unknown = set(sft_weights or ()) - set(TASK_FAMILIES)
+    if unknown:
+        raise ValueError(f"sft_weights: unknown task families {sorted(unknown)}; known: {', '.join(TASK_FAMILIES)}")
     out_dir = Path(out_dir)
 
     def rng(name: str) -> random.Random:  # one stream per file (str seeds are hashed stably)
@@ -304,7 +320,7 @@ def generate(out_dir: Path, *, seed: int = 0, n_pretrain: int = 4000, n_sft: int
     rows = {
         "pretrain": ({"text": t} for t in pretrain),
         "pretrain_eval": ({"text": t} for t in pretrain_eval),
-        "sft": map(_sft_row, _examples(rng("sft"), n_sft, held_out)),
+        "sft": map(_sft_row, _examples(rng("sft"), n_sft, held_out, weights=sft_weights)),
         "sft_eval": map(_sft_row, evals),
         "dpo": map(_dpo_row, _examples(rng("dpo"), n_dpo, held_out)),
         "dpo_eval": map(_dpo_row, evals),

@@ -50,7 +50,12 @@ IGNORE_INDEX = -100
 CHAT_ROLES = ("system", "user", "assistant")
 
 _DELIM = "\x1f"  # ASCII unit separator: never in our text; removed by the trainer
-_ISOLATE = re.compile(r"([A-Za-z0-9\n])")
+# Letters, digits and CJK characters stay single pieces: copying, reversing and arithmetic
+# then see the same pieces inside a quote and in the answer (BPE merges would differ).
+_ISOLATE = re.compile(r"([A-Za-z0-9\n\u3400-\u4dbf\u4e00-\u9fff])")
+# Special tokens written in the text (chat-formatted documents) are cut out before BPE training,
+# so no merges like '".<|' are learnt from them; the tokenizer still maps them to their ids.
+_SPECIAL = re.compile("|".join(re.escape(t) for t in (IM_START, IM_END, BOS, EOS, PAD, UNK)))
 # One line with every ASCII letter, digit and punctuation mark, so each has a piece
 # even if the corpus lacks it (else it would fall back to a byte token).
 _ALPHABET = _DELIM.join("\n" + string.ascii_letters + string.digits + string.punctuation)
@@ -61,7 +66,7 @@ def _training_sentences(text_files: list[Path]) -> Iterator[str]:
         for text in read_pretrain(path):
             # Lines keep sentences short (the trainer drops sentences > 4192 bytes);
             # "\n" itself is in _ALPHABET and never merges, so nothing is lost.
-            for line in text.split("\n"):
+            for line in _SPECIAL.sub(_DELIM, text).split("\n"):
                 if line:
                     yield _ISOLATE.sub(_DELIM + r"\1" + _DELIM, line)
 
@@ -90,7 +95,8 @@ def train_tokenizer(
 
     out_dir gets tokenizer.json, tokenizer_config.json, chat_template.jinja and the raw
     tokenizer.model. `max_sentences` trains on a seeded uniform sample of that many lines.
-    sentencepiece raises if the corpus cannot fill `vocab_size` (it names the maximum).
+    `vocab_size` is an upper bound: a corpus too small to fill it gives fewer pieces (the
+    manifest records the real size; the model takes its vocabulary from the tokenizer).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +111,7 @@ def train_tokenizer(
         model_type="bpe",
         vocab_size=vocab_size,
         character_coverage=1.0,  # every seen character (incl. each CJK one) gets a piece
+        hard_vocab_limit=False,  # a small corpus yields fewer pieces instead of an error
         byte_fallback=True,
         split_digits=True,
         normalization_rule_name="identity",

@@ -30,7 +30,7 @@ from engine import evaluate
 from engine.checkpoint import CheckpointManager
 from engine.trainer import Runtime, to_device, train
 from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
-from model.hf import load_hf_llama, load_native, save_native
+from model.hf import load_hf, load_native, save_native
 
 log = logging.getLogger("glm_lora.stages")
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter.safetensors", "adapter.json"
@@ -52,7 +52,7 @@ def _decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
     return DecoderConfig(vocab_size=m.vocab_size or vocab, hidden_size=m.hidden_size, num_layers=m.num_layers,
                          num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
                          max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
-                         tie_embeddings=m.tie_embeddings)
+                         tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm)
 
 
 def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
@@ -185,14 +185,14 @@ def _train(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, tok, tokeni
 # ---------------------------------------------------------------- adapters on disk
 
 def save_adapter(model: torch.nn.Module, lora: LoRAConfig, out_dir: Path) -> None:
-    save_file(lora_state_dict(model), Path(out_dir) / ADAPTER_WEIGHTS)
+    save_file(lora_state_dict(model, lora.modules_to_save), Path(out_dir) / ADAPTER_WEIGHTS)
     (Path(out_dir) / ADAPTER_CONFIG).write_text(json.dumps(lora.model_dump(), indent=2))
 
 
 def apply_adapter(model: Decoder, adapter_dir: Path, merge: bool = True) -> Decoder:
     lora = LoRAConfig.model_validate_json((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
-    inject_lora(model, lora.target_modules, lora.r, lora.alpha)
-    load_lora_state_dict(model, load_file(Path(adapter_dir) / ADAPTER_WEIGHTS))
+    inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save)
+    load_lora_state_dict(model, load_file(Path(adapter_dir) / ADAPTER_WEIGHTS), lora.modules_to_save)
     return merge_lora(model) if merge else model
 
 
@@ -252,7 +252,7 @@ def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) ->
 
 def import_base(cfg: Config, out_dir: Path) -> dict:
     """A local HF Llama-family model becomes the stage-2 starting point instead of pretraining."""
-    model = load_hf_llama(cfg.base_model)
+    model = load_hf(cfg.base_model)
     save_native(model, out_dir)
     return {"source": str(cfg.base_model), "params": model.num_params()}
 
@@ -263,7 +263,7 @@ def sft(cfg: Config, base_dir: Path, tokenizer_dir: Path, data_dir: Path, out_di
     tc = cfg.sft
     model = load_native(base_dir)
     _check_seq_len(tc.seq_len, model, "sft")
-    inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout)
+    inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout, tc.lora.modules_to_save)
     log.info("sft: %.3fM trainable of %.2fM", model.num_params(True) / 1e6, model.num_params() / 1e6)
     metrics = _train("sft", cfg, tc, model, causal_lm_loss, tok, tokenizer_dir, data_dir,
                      [base_dir, tokenizer_dir, data_dir], rt, out_dir)
@@ -281,7 +281,7 @@ def dpo(cfg: Config, base_dir: Path, sft_dir: Path, tokenizer_dir: Path, data_di
     tc = cfg.dpo
     model = load_policy(base_dir, sft_dir)
     _check_seq_len(tc.seq_len, model, "dpo")
-    inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout)
+    inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout, tc.lora.modules_to_save)
     log.info("dpo: beta %.3g, nll_weight %.3g", tc.beta, tc.nll_weight)
     metrics = _train("dpo", cfg, tc, model, DPOLoss(tc.beta, tc.nll_weight), tok, tokenizer_dir, data_dir,
                      [base_dir, sft_dir, tokenizer_dir, data_dir], rt, out_dir)

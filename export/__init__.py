@@ -21,7 +21,7 @@ from data.prepare import TOKENIZER_FILES
 from data.tokenizer import load_tokenizer
 from engine import evaluate
 from engine.stages import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_policy
-from model.hf import save_hf_llama
+from model.hf import save_hf
 
 COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,15 +38,14 @@ def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str) -
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
         "target_modules": sorted(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "modules_to_save": None, "use_dora": False, "use_rslora": False,
+        "inference_mode": True, "modules_to_save": lora.modules_to_save or None, "use_dora": False, "use_rslora": False,
         "init_lora_weights": True,
     }
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
-    save_hf_llama(model, out_dir, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                  dtype=dtype)
+    save_hf(model, out_dir, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype=dtype)
     for f in TOKENIZER_FILES:
         if (tokenizer_dir / f).is_file() and f != "generation_config.json":
             shutil.copy2(tokenizer_dir / f, out_dir / f)

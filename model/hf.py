@@ -1,5 +1,6 @@
-"""The one weight-name map between our decoder and transformers' LlamaForCausalLM, plus
-native checkpoint I/O. Export (our → HF) and base-model import (HF → our) both use it.
+"""The one weight-name map between our decoder and transformers' LlamaForCausalLM (or
+Qwen3ForCausalLM: the same layout plus per-head q/k RMSNorm, our `qk_norm`), plus native
+checkpoint I/O. Export (our → HF) and base-model import (HF → our) both use it.
 
 Safetensors only: nothing a user hands in is ever unpickled.
 """
@@ -13,12 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from model.model import Decoder, DecoderConfig
 
-HF_ARCHITECTURE = "LlamaForCausalLM"
+# model_type → architecture; qk_norm picks Qwen3 (Llama has no q/k norm), else Llama.
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 NATIVE_WEIGHTS, NATIVE_CONFIG = "model.safetensors", "config.json"
 
 
 def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
-    """our parameter name → HF LlamaForCausalLM parameter name (identical by construction)."""
+    """our parameter name → HF parameter name (identical by construction)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_embeddings:
         names.append("lm_head.weight")
@@ -26,34 +28,44 @@ def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
         p = f"model.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
         names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+        if cfg.qk_norm:
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return {n: n for n in names}
 
 
 def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None, pad_id: int | None,
                    dtype: str = "float32") -> dict:
-    from transformers import LlamaConfig  # lazily: only export needs transformers
+    from transformers import LlamaConfig, Qwen3Config  # lazily: only export needs transformers
 
-    hf = LlamaConfig(
+    model_type = hf_model_type(cfg)
+    extra = {"use_sliding_window": False} if model_type == "qwen3" else {"mlp_bias": False}
+    hf = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type](
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype=dtype,
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype=dtype, **extra,
     )
     d = hf.to_dict()
-    d["architectures"] = [HF_ARCHITECTURE]
+    d["architectures"] = [HF_ARCHITECTURES[model_type]]
     return d
 
 
+def hf_model_type(cfg: DecoderConfig) -> str:
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
 def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConfig:
-    """Read a Llama-family HF config; refuse layouts our decoder cannot represent exactly."""
+    """Read a Llama (or Qwen3) HF config; refuse layouts our decoder cannot represent exactly."""
     arch = (hf.get("architectures") or ["?"])[0]
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"{source}: model_type {hf.get('model_type')!r} / {arch} is not supported; "
-                         f"base_model must be a {HF_ARCHITECTURE} (model_type 'llama') directory")
-    for key in ("attention_bias", "mlp_bias"):
+    model_type = hf.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        supported = ", ".join(f"{a} (model_type '{t}')" for t, a in HF_ARCHITECTURES.items())
+        raise ValueError(f"{source}: model_type {model_type!r} / {arch} is not supported; "
+                         f"base_model must be one of: {supported}")
+    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf.get(key):
             raise ValueError(f"{source}: {key}=true is not supported by the glm-lora decoder")
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
@@ -71,6 +83,7 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
         intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type == "qwen3",
     )
 
 
@@ -84,8 +97,8 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_hf_llama(path: Path) -> Decoder:
-    """A local HF Llama-family directory → our Decoder (fp32), via the weight map."""
+def load_hf(path: Path) -> Decoder:
+    """A local HF Llama (or Qwen3) directory → our Decoder (fp32), via the weight map."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -102,7 +115,7 @@ def load_hf_llama(path: Path) -> Decoder:
     return model
 
 
-def save_hf_llama(model: Decoder, out_dir: Path, *, bos_id, eos_id, pad_id, dtype: torch.dtype = torch.float32) -> None:
+def save_hf(model: Decoder, out_dir: Path, *, bos_id, eos_id, pad_id, dtype: torch.dtype = torch.float32) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sd = model.state_dict()

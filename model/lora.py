@@ -1,7 +1,8 @@
 """LoRA on the decoder's linear layers: inject, disable (for DPO's reference), merge, save.
 
 Parameter names mirror PEFT (`<path>.lora_A.weight`, `<path>.lora_B.weight`) so the export to a
-PEFT adapter is a prefix change only.
+PEFT adapter is a prefix change only. `modules_to_save` (PEFT's name) are trained in full beside
+the adapter and saved with it as `<path>.weight` (e.g. embed_tokens, lm_head).
 """
 from __future__ import annotations
 
@@ -46,8 +47,19 @@ def linear_names(model: nn.Module) -> list[str]:
             and not n.endswith((".lora_A", ".lora_B"))]
 
 
-def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: float, dropout: float = 0.0) -> list[str]:
-    """Freeze `model` and wrap every linear whose last name part is in `target_modules`."""
+def saved_modules(model: nn.Module, modules_to_save) -> dict[str, nn.Module]:
+    """path → module for every module whose last name part is in `modules_to_save`."""
+    found = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in modules_to_save}
+    missing = set(modules_to_save) - {n.rsplit(".", 1)[-1] for n in found}
+    if missing:
+        raise ValueError(f"lora.modules_to_save {sorted(missing)} not found in the model")
+    return found
+
+
+def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: float, dropout: float = 0.0,
+                modules_to_save=()) -> list[str]:
+    """Freeze `model`, wrap every linear whose last name part is in `target_modules`, and make
+    the weights of `modules_to_save` trainable."""
     names = linear_names(model)
     available = sorted({n.rsplit(".", 1)[-1] for n in names})
     unknown = [t for t in target_modules if t not in available]
@@ -62,6 +74,8 @@ def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: floa
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout))
             wrapped.append(name)
+    for m in saved_modules(model, modules_to_save).values():
+        m.weight.requires_grad_(True)
     return wrapped
 
 
@@ -82,24 +96,31 @@ def lora_disabled(model: nn.Module):
             m.enabled = True
 
 
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Adapter weights only, keyed `<module path>.lora_A.weight` / `.lora_B.weight`."""
+def _adapter_tensors(model: nn.Module, modules_to_save) -> dict[str, torch.Tensor]:
     out = {}
     for name, m in lora_modules(model).items():
-        out[f"{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
-        out[f"{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
+        out[f"{name}.lora_A.weight"] = m.lora_A.weight
+        out[f"{name}.lora_B.weight"] = m.lora_B.weight
+    for name, m in saved_modules(model, modules_to_save).items():
+        out[f"{name}.weight"] = m.weight
     return out
 
 
-def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    mods = lora_modules(model)
-    expected = {f"{n}.lora_{ab}.weight" for n in mods for ab in "AB"}
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+def lora_state_dict(model: nn.Module, modules_to_save=()) -> dict[str, torch.Tensor]:
+    """Adapter weights, keyed `<module path>.lora_A.weight` / `.lora_B.weight`, plus
+    `<module path>.weight` of each module to save."""
+    return {k: v.detach().cpu().contiguous() for k, v in _adapter_tensors(model, modules_to_save).items()}
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], modules_to_save=()) -> None:
+    params = _adapter_tensors(model, modules_to_save)
+    if set(state) != set(params):
+        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
         raise ValueError(f"adapter does not match the model's LoRA layers: missing {missing[:4]}, unexpected {extra[:4]}")
-    for name, m in mods.items():
-        m.lora_A.weight.data.copy_(state[f"{name}.lora_A.weight"])
-        m.lora_B.weight.data.copy_(state[f"{name}.lora_B.weight"])
+    for key, p in params.items():
+        if state[key].shape != p.shape:
+            raise ValueError(f"adapter weight {key}: shape {tuple(state[key].shape)} != the model's {tuple(p.shape)}")
+        p.data.copy_(state[key])
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

@@ -26,6 +26,7 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: bool = False       # RMSNorm on each head's q and k (Qwen3/OLMo2): bounds attention logits
 
     @property
     def head_dim(self) -> int:
@@ -58,12 +59,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin)
         y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)

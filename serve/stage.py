@@ -17,7 +17,7 @@ from artifacts import read_manifest
 from configs.schema import Config
 from engine.gate import promotion_gate
 from data.tokenizer import load_tokenizer
-from model.hf import load_hf_llama
+from model.hf import load_hf
 from serve.vllm_server import chat, port_in_use, start_server, stop_server, wait_healthy
 
 log = logging.getLogger("glm_lora.serve")
@@ -38,7 +38,7 @@ def stop_recorded_server(serve_dir: Path) -> bool:
 
 def inprocess_answer(model_dir: Path, messages: list[dict], max_tokens: int) -> str:
     tok = load_tokenizer(model_dir)
-    model = load_hf_llama(model_dir).eval()
+    model = load_hf(model_dir).eval()
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(prompt, list):
         prompt = prompt["input_ids"]

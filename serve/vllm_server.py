@@ -180,13 +180,16 @@ def chat(
     model: str | None = None,
     max_tokens: int = 64,
     temperature: float = 0.0,
+    **request,
 ) -> str:
-    """One /v1/chat/completions request; returns the assistant text."""
+    """One /v1/chat/completions request; returns the assistant text. `request`: further
+    OpenAI request fields (e.g. logit_bias)."""
     body = {
         "model": model or handle.model_name,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": temperature,
+        **request,
     }
     return post_json(handle, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
 

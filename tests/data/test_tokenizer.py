@@ -64,7 +64,9 @@ def test_files_and_autotokenizer_load(tok_dir: Path, tok) -> None:
         assert (tok_dir / name).exists(), name
     assert json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     assert type(tok).__name__ == "LlamaTokenizer"
-    assert len(tok) == VOCAB  # not the silent 3-token tokenizer
+    sp = spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model"))
+    assert len(tok) == sp.get_piece_size() > 300  # not the silent 3-token tokenizer
+    assert len(tok) <= VOCAB     # an upper bound: this corpus cannot fill it (every letter/digit/CJK char is one piece)
     assert tok.eos_token == IM_END and tok.pad_token == "<pad>"
     assert tok.pad_token_id != tok.eos_token_id
 
@@ -78,8 +80,9 @@ def test_roundtrip_and_sentencepiece_parity(tok_dir: Path, tok, text: str) -> No
     assert sp.decode(ids) == text
 
 
-@pytest.mark.parametrize("text", ["hello world", "reverse abcxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 9876"])
-def test_letters_and_digits_are_single_tokens(tok, text: str) -> None:
+@pytest.mark.parametrize("text", ["hello world", "reverse abcxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 9876",
+                                  "你好世界", "界世好你"])
+def test_letters_digits_and_cjk_are_single_tokens(tok, text: str) -> None:
     pieces = tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
     assert pieces == ["▁" if c == " " else c for c in text]  # one piece each, none a byte fallback
 
@@ -137,5 +140,17 @@ def test_txt_input_max_sentences_and_determinism(tmp_path: Path) -> None:
     b = train_tokenizer([txt], tmp_path / "b", vocab_size=400, seed=1, max_sentences=500)
     assert (a / "tokenizer.model").read_bytes() == (b / "tokenizer.model").read_bytes()
     tok = load_tokenizer(a)
-    assert len(tok) == 400
+    assert 300 < len(tok) <= 400
     assert tok.convert_ids_to_tokens(tok.encode("Quiz 7", add_special_tokens=False)) == ["Q", "u", "i", "z", "▁", "7"]
+
+
+def test_special_tokens_in_the_corpus_teach_no_merges(tmp_path: Path) -> None:
+    corpus = tmp_path / "chat.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"{IM_START}user\nhi {i}.{IM_END}\n{IM_START}assistant\nok{IM_END}"}) + "\n")
+    tok = load_tokenizer(train_tokenizer([corpus], tmp_path / "tok", vocab_size=400))
+    pieces = [p for p in tok.get_vocab() if "<|" in p or "|>" in p]
+    assert sorted(pieces) == sorted([IM_START, IM_END])
+    ids = tok(f"{IM_START}user\nhi 7.{IM_END}", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[:2] == [IM_START, "user"] and ids[-1] == tok.convert_tokens_to_ids(IM_END)

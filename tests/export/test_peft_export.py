@@ -11,7 +11,7 @@ from configs.schema import LoRAConfig
 from engine.stages import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_adapter, load_policy, save_adapter
 from export import write_peft_adapter
 from model import Decoder, DecoderConfig, inject_lora
-from model.hf import load_native, save_hf_llama, save_native
+from model.hf import load_native, save_hf, save_native
 from model.lora import lora_modules
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
@@ -48,7 +48,7 @@ def exported(request, tmp_path):
     base = tiny(tie)
     save_native(base, tmp_path / "base")
     hf_dir = tmp_path / "hf"
-    save_hf_llama(base, hf_dir, bos_id=None, eos_id=None, pad_id=None)
+    save_hf(base, hf_dir, bos_id=None, eos_id=None, pad_id=None)
     ours = trained_adapter(load_native(tmp_path / "base").eval(), lora)
     (tmp_path / "sft").mkdir()
     save_adapter(ours, lora, tmp_path / "sft")

@@ -159,5 +159,34 @@ def test_load_state_dict_mismatch_names_keys():
     with pytest.raises(ValueError, match=r"unexpected \['model.layers.0.mlp.up_proj.lora_A.weight'\]"):
         load_lora_state_dict(m, extra)
     wrong_shape = {**sd, "model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(5, 32)}
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match=r"q_proj.lora_A.weight: shape \(5, 32\)"):
         load_lora_state_dict(m, wrong_shape)
+
+
+def test_modules_to_save_train_in_full_and_travel_with_the_adapter():
+    m = tiny()
+    inject_lora(m, ["q_proj"], r=2, alpha=2, modules_to_save=["embed_tokens", "lm_head"])
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable == {"model.embed_tokens.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.self_attn.q_proj.lora_{ab}.weight" for i in range(2) for ab in "AB"}
+    with torch.no_grad():
+        m.model.embed_tokens.weight.add_(0.5)
+        m.lm_head.weight.mul_(-1)
+    sd = lora_state_dict(m, ["embed_tokens", "lm_head"])
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(sd)
+    other = tiny()
+    inject_lora(other, ["q_proj"], r=2, alpha=2, modules_to_save=["embed_tokens", "lm_head"])
+    with pytest.raises(ValueError, match="unexpected"):     # saved without declaring them: refused
+        load_lora_state_dict(tiny_with(["q_proj"]), sd)
+    load_lora_state_dict(other, sd, ["embed_tokens", "lm_head"])
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(merge_lora(other)(x), merge_lora(m)(x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"modules_to_save \['norm_x'\]"):
+        inject_lora(tiny(), ["q_proj"], r=2, alpha=2, modules_to_save=["norm_x"])
+
+
+def tiny_with(targets):
+    m = tiny()
+    inject_lora(m, targets, r=2, alpha=2)
+    return m

@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from model import Decoder, DecoderConfig
-from model.hf import save_hf_llama
+from model.hf import save_hf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -113,7 +113,7 @@ def test_generate_past_max_seq_len_uses_a_window():
 @pytest.mark.parametrize("tie", [False, True])
 def test_generate_matches_transformers_greedy(tmp_path, tie):
     m = tiny(tie_embeddings=tie, seed=2)
-    save_hf_llama(m, tmp_path, bos_id=None, eos_id=None, pad_id=None)
+    save_hf(m, tmp_path, bos_id=None, eos_id=None, pad_id=None)
     hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     prompt = [7, 8, 9, 100, 42]
     with torch.no_grad():

@@ -22,7 +22,7 @@ def test_every_preset_validates_and_sets_its_run_name(name):
 def test_preset_values_come_from_the_yaml_not_the_defaults():
     cfg = load_config("tiny")
     assert (cfg.device, cfg.precision) == ("cpu", "fp32")
-    assert cfg.sft.lora.r == 64 and cfg.dpo.lora.r == 16
+    assert cfg.sft.lora.r == 32 and cfg.dpo.lora.r == 16
     assert cfg.dpo.lr == 5e-4                      # yaml beats DPOConfig(lr=5e-5) default
     assert load_config("small").model.num_kv_heads == 12
 
@@ -46,7 +46,7 @@ def test_dotted_overrides_apply_nested_and_leave_the_rest():
         "threads": parse_value("null"),
     })
     assert cfg.sft.lora.r == 8
-    assert cfg.sft.lora.alpha == 64              # sibling from the preset untouched
+    assert cfg.sft.lora.alpha == 32              # sibling from the preset untouched
     assert cfg.dpo.lora.r == 16                  # the other stage's lora untouched
     assert cfg.data.synthetic.n_sft == 12
     assert cfg.data.synthetic.n_dpo == 4000      # sibling default kept
@@ -174,5 +174,5 @@ def test_section_dict_is_json_and_only_named_sections():
     cfg = load_config("tiny")
     d = section_dict(cfg, "sft", "runs_dir")
     assert set(d) == {"sft", "runs_dir"}
-    assert d["sft"]["lora"]["r"] == 64 and isinstance(d["runs_dir"], str)
+    assert d["sft"]["lora"]["r"] == 32 and isinstance(d["runs_dir"], str)
     assert Path(d["runs_dir"]) == Path("runs")

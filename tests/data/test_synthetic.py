@@ -141,3 +141,17 @@ def test_cli(tmp_path):
 
     main([str(tmp_path), "--seed", "1", "--n-pretrain", "20", "--n-sft", "20", "--n-dpo", "10", "--n-eval", "10"])
     assert len(rows(tmp_path / "sft.jsonl")) == 20
+
+
+def test_sft_weights_set_the_mix_and_leave_the_eval_sets_alone(tmp_path):
+    import collections
+    from data import synthetic
+    plain = synthetic.generate(tmp_path / "a", n_pretrain=20, n_sft=300, n_dpo=20, n_eval=20)
+    heavy = synthetic.generate(tmp_path / "b", n_pretrain=20, n_sft=300, n_dpo=20, n_eval=20,
+                               sft_weights={"add_en": 3})
+    count = lambda p: collections.Counter(json.loads(l)["task"] for l in p.open(encoding="utf-8"))
+    assert set(count(plain["sft"]).values()) == {30}
+    assert count(heavy["sft"])["add_en"] == 75 and count(heavy["sft"])["sub_en"] == 25
+    assert plain["sft_eval"].read_bytes() == heavy["sft_eval"].read_bytes()
+    with pytest.raises(ValueError, match="unknown task families"):
+        synthetic.generate(tmp_path / "c", n_pretrain=20, n_sft=10, n_dpo=5, n_eval=10, sft_weights={"mul_en": 1})

@@ -16,7 +16,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from configs.errors import UserError
 
 MANIFEST = "manifest.json"
 
@@ -164,24 +166,62 @@ def ref_for(root: Path) -> ArtifactRef:
     return ArtifactRef(stage=m["stage"], path=str(Path(root).resolve()), digest=m["digest"])
 
 
+class NotOurs(UserError):
+    """A path we were asked to replace holds something the project did not write."""
+
+
+def stage_output(stage: str) -> Callable[[Path], bool]:
+    """`owns(path)`: is `path` a published output of `stage` (a directory with its manifest)?"""
+    def owns(path: Path) -> bool:
+        try:
+            return path.is_dir() and not path.is_symlink() and read_manifest(path).get("stage") == stage
+        except (OSError, ValueError, AttributeError):
+            return False
+    owns.what = f"glm-lora '{stage}' output (with a {MANIFEST} for that stage)"
+    return owns
+
+
+def check_replaceable(final: Path, owns: Callable[[Path], bool]) -> None:
+    """Refuse to replace `final` unless it is absent or `owns(final)` says it is ours.
+
+    Guards every publish: a run_name or runs_dir that lands on somebody's directory (or on
+    another stage's output) must fail, not swap that directory out and delete it.
+    """
+    final = Path(final)
+    if (final.exists() or final.is_symlink()) and not owns(final):
+        what = getattr(owns, "what", "glm-lora output")
+        raise NotOurs(f"{final} exists and is not a {what}; refusing to replace it. "
+                      "Move it away, or choose another runs_dir / run_name")
+
+
+def scratch_name(final: Path, kind: str) -> str:
+    """`.<name>.tmp-<pid>-<ns>` / `.<name>.old-<pid>-<ns>`: the pid tells a dead writer's leftovers."""
+    return f".{Path(final).name}.{kind}-{os.getpid()}-{time.time_ns()}"
+
+
 @contextlib.contextmanager
-def staging_dir(final: Path) -> Iterator[Path]:
+def staging_dir(final: Path, owns: Callable[[Path], bool]) -> Iterator[Path]:
     """Yield a temp dir next to `final`; on success replace `final` with it, on error drop it.
 
-    The swap is two renames (old → trash, new → final); a crash between them leaves the old
-    artifact recoverable in `.<name>.old-*` and `final` absent, never a half-written `final`.
+    Only an absent `final` or one that `owns(final)` accepts is ever replaced (checked before
+    the work starts and again before the swap). The swap is two renames (old → trash, new → final); a
+    crash between them leaves the old artifact in `.<name>.old-*` and `final` absent, which
+    `artifacts.lock.clean_scratch` puts back on the next start.
     """
-    final = Path(final).resolve()
+    final = Path(final).absolute()
+    check_replaceable(final, owns)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    tmp = final.parent / scratch_name(final, "tmp")
+    tmp.mkdir()
     try:
         yield tmp
+        check_replaceable(final, owns)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     old = None
     if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}-{time.time_ns()}"
+        old = final.parent / scratch_name(final, "old")
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
@@ -200,7 +240,7 @@ def _fsync_dir(path: Path) -> None:
 def build(final: Path, stage: str, fn, *, config: dict | None = None,
           inputs: list[ArtifactRef] | None = None) -> ArtifactRef:
     """Run `fn(tmp_dir) -> metrics` in a staging dir, write its manifest, publish it atomically."""
-    with staging_dir(final) as tmp:
+    with staging_dir(final, stage_output(stage)) as tmp:
         metrics = fn(tmp) or {}
         write_manifest(tmp, stage, config=config, metrics=metrics, inputs=inputs)
     return ref_for(final)

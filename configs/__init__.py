@@ -9,12 +9,13 @@ from typing import Any, Mapping
 import yaml
 from pydantic import ValidationError
 
+from configs.errors import UserError, quote
 from configs.schema import Config
 
 PRESETS = Path(__file__).parent
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     pass
 
 
@@ -33,7 +34,10 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 def parse_value(text: str) -> Any:
     """CLI override values are YAML scalars/lists: `5`, `1e-3`, `true`, `[q_proj, v_proj]`, `null`."""
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override value {quote(text)} is not valid YAML: {getattr(e, 'problem', None) or e}") from None
 
 
 def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
@@ -50,26 +54,48 @@ def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
 
 
 def _explain(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
+    """One line: `source: key: problem; key: problem`."""
+    problems = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
+        key = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "literal_error":
-            msg = f"got {e.get('input')!r}; {msg.lower()}"
-        lines.append(f"  {key}: {msg}")
-    return "\n".join(lines)
+            msg = f"got {quote(e.get('input'))}; {msg.lower()}"
+        problems.append(f"{key}: {msg}" if key else msg)
+    return f"invalid config {source}: " + "; ".join(problems)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys (e.g. `sft: {{max_steps: 100}}`), "
+                          f"got a YAML {type(raw).__name__}")
+    return raw
 
 
 def load_config(name_or_path: str | Path = "tiny", overrides: Mapping[str, Any] | None = None) -> Config:
     path = preset_path(name_or_path)
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    raw = apply_overrides(raw, overrides or {})
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides: expected a mapping of dotted keys to values, got {quote(overrides)}")
+    raw = apply_overrides(_read_yaml(path), overrides or {})
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_explain(err, f"{path} + overrides {json.dumps(dict(overrides or {}), default=str)}")) from None
+        given = f" + overrides {json.dumps(dict(overrides), default=str)[:300]}" if overrides else ""
+        raise ConfigError(_explain(err, f"({path}{given})")) from None
 
 
 def section_dict(cfg: Config, *keys: str) -> dict:

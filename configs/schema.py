@@ -5,10 +5,12 @@ rejected with the dotted key and the allowed values named.
 """
 from __future__ import annotations
 
+import re
+import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, PositiveFloat
 
 # vLLM's CPU attention backend supports only these head sizes (a server with another one starts,
 # then dies on the first request).
@@ -18,6 +20,16 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value, info):
+        """pydantic takes `true` as 1 for an int field; `max_steps: true` is a mistake, not a number."""
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in (typing.get_args(annotation) or (annotation,)):
+                raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class SyntheticData(Section):
@@ -45,6 +57,10 @@ class DataConfig(Section):
     dedup: bool = False                # drop exact duplicates
     min_tokens: int = Field(2, ge=1)   # drop shorter documents / conversations
     overlong: Literal["truncate", "drop"] = "truncate"   # SFT/DPO rows longer than seq_len
+    # A longer JSONL/.txt line (or JSON array element, or string field of a Parquet/Arrow row) is a
+    # bad row naming its place: memory stays bounded however large a row in the file is.
+    max_line_bytes: int = Field(8 * 2**20, ge=1024, le=2**31 - 1)
+    report_examples: int = Field(3, ge=0, le=100)   # dropped-row messages kept per reason in reports; 0 = none
 
 
 class TokenizerConfig(Section):
@@ -86,12 +102,13 @@ class LoRAConfig(Section):
     # Trained in full beside the adapter and saved with it (PEFT's modules_to_save).
     modules_to_save: list[Literal["embed_tokens", "lm_head"]] = []
 
-    @model_validator(mode="after")
-    def _known_targets(self):
-        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
-        if bad or not self.target_modules:
-            raise ValueError(f"lora.target_modules: unknown {bad or '(empty)'}; allowed: {list(LORA_TARGETS)}")
-        return self
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, targets: list[str]) -> list[str]:
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            raise ValueError(f"unknown {bad or '(empty)'}; allowed: {list(LORA_TARGETS)}")
+        return targets
 
 
 class TrainConfig(Section):
@@ -182,10 +199,20 @@ class ServeConfig(Section):
     prompt: str = "What is 12 + 7?"
     max_tokens: int = Field(32, ge=1)
     gate: GateConfig = GateConfig()
+    # The endpoint's API key, by name only (its value never enters configs, manifests or logs): an
+    # environment variable, or a Prefect Secret block. Unset: no key (README "Security").
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    api_key_secret: str | None = None
+
+    @model_validator(mode="after")
+    def _one_key_source(self):
+        if self.api_key_env and self.api_key_secret:
+            raise ValueError("set one of serve.api_key_env and serve.api_key_secret, not both")
+        return self
 
 
 class Config(Section):
-    run_name: str = Field("tiny", pattern=r"^[A-Za-z0-9._-]+$")
+    run_name: str = "tiny"             # names the directory runs_dir/run_name
     runs_dir: Path = Path("runs")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA, fp32 on CPU
@@ -209,6 +236,28 @@ class Config(Section):
         if self.serve.enabled and self.device == "cpu" and self.base_model is None and head_dim not in VLLM_CPU_HEAD_SIZES:
             raise ValueError(f"model.hidden_size / model.num_heads = {head_dim} is not a head size vLLM's CPU backend "
                              f"serves {list(VLLM_CPU_HEAD_SIZES)}; change model.num_heads or set serve.enabled: false")
+        return self
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_directory_name(cls, name: str) -> str:
+        # "." or ".." would name the runs dir itself or its parent: publishing would replace those.
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+            raise ValueError(f"{name[:100]!r} must start with a letter or digit and hold only letters, digits, "
+                             "'.', '_' and '-' (at most 100): it names one directory under runs_dir")
+        return name
+
+    @model_validator(mode="after")
+    def _lengths_fit_the_model(self):
+        """Rows longer than the model's positions would fail (or silently wrap RoPE) mid-training.
+        A base model's own limit is checked when its config.json is read (engine/preflight.py)."""
+        if self.base_model is None:
+            limit = self.model.max_seq_len
+            for key, value in (("pretrain.seq_len", self.pretrain.seq_len), ("sft.seq_len", self.sft.seq_len),
+                               ("dpo.seq_len", self.dpo.seq_len), ("serve.max_model_len", self.serve.max_model_len)):
+                if value > limit and (key != "serve.max_model_len" or self.serve.enabled):
+                    raise ValueError(f"{key} ({value}) exceeds model.max_seq_len ({limit}); lower it or raise "
+                                     "model.max_seq_len")
         return self
 
     @property

@@ -15,6 +15,9 @@ whitespace-only text / assistant answer), "duplicate" (exact repeat of an earlie
 dedup=True), "identical_pair" (DPO chosen == rejected); "min_tokens", "overlong" and the like
 come from the tokenisation step.
 
+Each reason keeps the first `max_examples` messages (data.report_examples; 0 = none), each cut to
+EXAMPLE_CHARS, so a 20 MB row never reaches a manifest or a Prefect artifact.
+
 Dedup keeps one 16-byte blake2b digest per kept row (about 100 bytes each in a Python set, so
 ~1 GB for 10M rows), not the rows themselves.
 """
@@ -23,10 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
-MAX_EXAMPLES = 5    # example messages kept per reason
-EXAMPLE_CHARS = 300  # each example is cut to this length
+from configs.errors import quote
+
+MAX_EXAMPLES = 3     # example messages kept per reason, by default (data.report_examples)
+EXAMPLE_CHARS = 200  # each example is cut to this length
 
 Message = dict  # {"role": str, "content": str}
 
@@ -37,6 +42,7 @@ class CleanReport:
 
     `rows`: counted by the readers in data.formats (every row read, good or bad).
     `kept`: counted by the last stage, the one that keeps a row for good.
+    `max_examples`: messages kept per reason in `examples` (0: none), each cut to EXAMPLE_CHARS.
     """
 
     rows: int = 0
@@ -44,16 +50,25 @@ class CleanReport:
     dropped: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
+    max_examples: int = MAX_EXAMPLES
 
-    def drop(self, reason: str, message: str = "") -> None:
+    def __post_init__(self) -> None:
+        if self.max_examples < 0:
+            raise ValueError(f"max_examples must be >= 0, got {self.max_examples}")
+
+    def drop(self, reason: str, message: Any = "") -> None:
+        """Count a dropped row; `message` may be a callable making it, called only if it is kept."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         if message:
             self._example(reason, message)
 
-    def _example(self, reason: str, message: str) -> None:
-        shown = self.examples.setdefault(reason, [])
-        if len(shown) < MAX_EXAMPLES:
-            shown.append(message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS - 1] + "…")
+    def _example(self, reason: str, message: Any) -> None:
+        if len(self.examples.get(reason, ())) >= self.max_examples:
+            return
+        message = message() if callable(message) else message
+        if message:
+            self.examples.setdefault(reason, []).append(
+                message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS - 1] + "…")
 
     def merge(self, other: CleanReport) -> None:
         """Add another report's counts (e.g. one per input file) into this one."""
@@ -81,7 +96,20 @@ def _digest(value) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def _shrink(value: Any, chars: int) -> Any:
+    """`value` with every string cut to `chars` characters (so a preview never copies a huge row)."""
+    if isinstance(value, str):
+        return value if len(value) <= chars else value[:chars] + "…"
+    if isinstance(value, dict):
+        return {k: _shrink(v, chars) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shrink(v, chars) for v in value[:chars]]
+    return value
+
+
 def _preview(value) -> str:
+    """A short text of a dropped row for CleanReport.examples (cut there to EXAMPLE_CHARS)."""
+    value = _shrink(value, EXAMPLE_CHARS)
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
@@ -106,9 +134,9 @@ def clean_texts(texts: Iterable[str], *, dedup: bool, report: CleanReport) -> It
     seen = _Seen(dedup)
     for text in texts:
         if not text.strip():
-            report.drop("empty", repr(text))
+            report.drop("empty", lambda: quote(text[:EXAMPLE_CHARS]))
         elif seen.repeat(text):
-            report.drop("duplicate", text)
+            report.drop("duplicate", lambda: _preview(text))
         else:
             yield text
 
@@ -120,9 +148,9 @@ def clean_conversations(convs: Iterable[list[Message]], *, dedup: bool,
     for conv in convs:
         answers = [m["content"] for m in conv if m["role"] == "assistant"]
         if not answers or not all(a.strip() for a in answers):
-            report.drop("empty", _preview(conv))
+            report.drop("empty", lambda: _preview(conv))
         elif seen.repeat([(m["role"], m["content"]) for m in conv]):
-            report.drop("duplicate", _preview(conv))
+            report.drop("duplicate", lambda: _preview(conv))
         else:
             yield conv
 
@@ -135,10 +163,10 @@ def clean_pairs(pairs: Iterable[tuple[list[Message], Message, Message]], *, dedu
     for prompt, chosen, rejected in pairs:
         c, r = chosen["content"].strip(), rejected["content"].strip()
         if not c or not r:
-            report.drop("empty", _preview([prompt, chosen, rejected]))
+            report.drop("empty", lambda: _preview([prompt, chosen, rejected]))
         elif c == r:
-            report.drop("identical_pair", _preview([prompt, chosen, rejected]))
+            report.drop("identical_pair", lambda: _preview([prompt, chosen, rejected]))
         elif seen.repeat([[(m["role"], m["content"]) for m in prompt], chosen["content"], rejected["content"]]):
-            report.drop("duplicate", _preview([prompt, chosen, rejected]))
+            report.drop("duplicate", lambda: _preview([prompt, chosen, rejected]))
         else:
             yield prompt, chosen, rejected

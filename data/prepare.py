@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from artifacts import sha256_path
 from configs.schema import DataConfig
 from data import formats, synthetic
 from data.cleaning import CleanReport
+from data.formats import MAX_LINE_BYTES, DataError
 from data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
@@ -19,6 +22,33 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
 
 
+def check_user_paths(cfg: DataConfig) -> dict[str, Path]:
+    """Every user-supplied split exists and is readable (checked before anything is generated)."""
+    user = {}
+    for split in SPLITS:
+        path = getattr(cfg, split)
+        if path is None:
+            continue
+        path = Path(path).expanduser().resolve()
+        if not path.exists():
+            raise DataError(f"data.{split}: {path} does not exist")
+        readable = os.access(path, os.R_OK) and (path.is_file() or os.access(path, os.X_OK))
+        if not readable:
+            raise DataError(f"data.{split}: {path} is not readable by this user")
+        if path.is_file() and path.stat().st_size == 0:
+            raise DataError(f"data.{split}: {path} is empty")
+        user[split] = path
+    return user
+
+
+def base_tokenizer_files(base_model: Path) -> list[str]:
+    """The tokenizer files a base model directory has; it needs tokenizer.json or tokenizer.model."""
+    found = [f for f in TOKENIZER_FILES if (Path(base_model) / f).is_file()]
+    if "tokenizer.json" not in found and "tokenizer.model" not in found:
+        raise DataError(f"base_model {base_model}: no tokenizer.json or tokenizer.model")
+    return found
+
+
 def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
     """Generate the synthetic splits the user didn't supply; validate every split by reading it.
 
@@ -27,7 +57,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
     With on_bad_row=skip, malformed rows are counted per split (nothing is dropped silently).
     """
     out_dir = Path(out_dir)
-    user = {s: getattr(cfg, s) for s in SPLITS if getattr(cfg, s) is not None}
+    user = check_user_paths(cfg)
     generated: dict[str, Path] = {}
     if len(user) < len(SPLITS):
         syn = cfg.synthetic
@@ -38,31 +68,50 @@ def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
             (out_dir / f"{s}.jsonl").unlink(missing_ok=True)
     sources, metrics = {}, {}
     for split, reader in SPLITS.items():
-        path = Path(user[split]).resolve() if split in user else Path(generated[split]).resolve()
-        if not path.exists():
-            raise FileNotFoundError(f"data.{split}: {path} does not exist")
-        report = CleanReport()
-        good = sum(1 for _ in reader(path, on_bad_row=cfg.on_bad_row, report=report))
+        path = user[split] if split in user else Path(generated[split]).resolve()
+        report = CleanReport(max_examples=cfg.report_examples)
+        good = sum(1 for _ in reader(path, on_bad_row=cfg.on_bad_row, report=report,
+                                     max_line_bytes=cfg.max_line_bytes))
         if good == 0:
-            raise ValueError(f"data.{split}: {path} has no usable rows ({report})")
+            raise DataError(f"data.{split}: {path} has no usable rows ({report})")
         sources[split] = {"path": path.name if split not in user else str(path), "sha256": sha256_path(path),
                           "rows": report.rows, "bad_rows": report.dropped.get("bad_row", 0), "user": split in user}
         metrics[f"rows_{split}"] = report.rows
         if report.dropped:
             metrics[f"bad_rows_{split}"] = report.dropped.get("bad_row", 0)
-    settings = {k: getattr(cfg, k) for k in ("on_bad_row", "dedup", "min_tokens", "overlong")}
+    settings = {k: getattr(cfg, k) for k in ("on_bad_row", "dedup", "min_tokens", "overlong", "max_line_bytes")}
     (out_dir / SOURCES).write_text(json.dumps({"splits": sources, "cleaning": settings}, indent=2))
     return metrics
 
 
 def split_source(data_dir: Path, split: str) -> tuple[Path, str]:
-    """Where a prepared split's rows live (inside the artifact, or the user's own file) and their sha256."""
+    """Where a prepared split's rows live (inside the artifact, or the user's own file) and the sha256
+    the data stage recorded; raises DataError if the content there is no longer what was recorded."""
     entry = json.loads((Path(data_dir) / SOURCES).read_text())["splits"][split]
-    return (Path(entry["path"]) if entry["user"] else Path(data_dir) / entry["path"]), entry["sha256"]
+    path = Path(entry["path"]) if entry["user"] else Path(data_dir) / entry["path"]
+    check_unchanged(path, entry["sha256"], split)
+    return path, entry["sha256"]
 
 
 def split_path(data_dir: Path, split: str) -> Path:
     return split_source(data_dir, split)[0]
+
+
+def check_unchanged(path: Path, sha256: str, split: str) -> None:
+    """Everything downstream (token stores, evals) is keyed by the data stage's hash: reading other
+    bytes under that key would cache stale tokens. So a file edited since then is an error."""
+    now = sha256_path(path) if Path(path).exists() else "(missing)"
+    if now != sha256:
+        raise DataError(f"data.{split}: {path} changed after the data stage read it (sha256 {sha256[:12]}… then, "
+                        f"{now[:12]}… now); re-run the flow so the data stage takes the new content")
+
+
+def unchanged_rows(rows: Iterable, path: Path, sha256: str, split: str) -> Iterator:
+    """`rows` (read lazily from `path`), checked against the recorded hash before the first row and
+    after the last one: what was read is what was hashed, even if the file is edited meanwhile."""
+    check_unchanged(path, sha256, split)
+    yield from rows
+    check_unchanged(path, sha256, split)
 
 
 def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model: Path | None = None,
@@ -70,17 +119,17 @@ def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model
     """Train a sentencepiece BPE on the pretraining text, or take a base model's tokenizer."""
     if base_model is not None:
         base_model = Path(base_model)
-        found = [f for f in TOKENIZER_FILES if (base_model / f).is_file()]
-        if "tokenizer.json" not in found and "tokenizer.model" not in found:
-            raise FileNotFoundError(f"base_model {base_model}: no tokenizer.json or tokenizer.model")
+        found = base_tokenizer_files(base_model)
         for f in found:
             shutil.copy2(base_model / f, Path(out_dir) / f)
         tok = load_tokenizer(out_dir)
         if not tok.chat_template:
-            raise ValueError(f"base_model {base_model}: its tokenizer has no chat_template; SFT/DPO need one "
+            raise DataError(f"base_model {base_model}: its tokenizer has no chat_template; SFT/DPO need one "
                              "(add chat_template.jinja to the model directory)")
         if tok.eos_token_id is None:
-            raise ValueError(f"base_model {base_model}: tokenizer defines no eos_token")
+            raise DataError(f"base_model {base_model}: tokenizer defines no eos_token")
         return {"source": str(base_model), "files": len(found), "vocab_size": len(tok)}
-    train_tokenizer([split_path(data_dir, "pretrain")], Path(out_dir), vocab_size=vocab_size, seed=seed)
+    settings = json.loads((Path(data_dir) / SOURCES).read_text())["cleaning"]
+    train_tokenizer([split_path(data_dir, "pretrain")], Path(out_dir), vocab_size=vocab_size, seed=seed,
+                    max_line_bytes=settings.get("max_line_bytes", MAX_LINE_BYTES))
     return {"vocab_size": len(load_tokenizer(out_dir)), "requested_vocab_size": vocab_size}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from artifacts import atomic_write_text
+from configs.errors import UserError
 
 TASK_FAMILIES: tuple[str, ...] = (
     "add_en", "add_zh", "sub_en", "sub_zh", "copy_en", "copy_zh",
@@ -154,7 +155,8 @@ def _examples(rng: random.Random, n: int, exclude: set[tuple], unique: bool = Fa
             if ex.key not in seen:
                 break
         else:
-            raise ValueError(f"cannot draw {n} distinct {task} problems; lower the counts")
+            raise UserError(f"data.synthetic: cannot draw {n} distinct {task} problems; lower data.synthetic.n_sft / "
+                            "n_dpo / n_eval")
         if unique:
             seen.add(ex.key)
         out.append(ex)
@@ -271,7 +273,7 @@ def _pretrain(rng: random.Random, n: int, exclude_tasks: set[tuple], exclude_doc
               coverage: bool) -> list[str]:
     docs = _coverage_docs() if coverage else []
     if len(docs) > n:
-        raise ValueError(f"n_pretrain must be at least {len(docs)} (the character-coverage documents)")
+        raise UserError(f"data.synthetic.n_pretrain must be at least {len(docs)} (the character-coverage documents)")
     seen = set(exclude_docs) | set(docs)
     while len(docs) < n:
         doc = _document(rng, exclude_tasks)
@@ -307,7 +309,8 @@ def generate(out_dir: Path, *, seed: int = 0, n_pretrain: int = 4000, n_sft: int
     """
     unknown = set(sft_weights or ()) - set(TASK_FAMILIES)
     if unknown:
-        raise ValueError(f"sft_weights: unknown task families {sorted(unknown)}; known: {', '.join(TASK_FAMILIES)}")
+        raise UserError(f"data.synthetic.sft_weights: unknown task families {sorted(unknown)}; known: "
+                        f"{', '.join(TASK_FAMILIES)}")
     out_dir = Path(out_dir)
 
     def rng(name: str) -> random.Random:  # one stream per file (str seeds are hashed stably)

@@ -126,7 +126,7 @@ class TokenStore:
 def write_token_store(examples: Iterable[Example], out_dir: Path, *, group_size: int = 1,
                       meta: dict | None = None, chunk_tokens: int = 1 << 22, key: str | None = None) -> TokenStore:
     """Stream `examples` into a store at `out_dir` (built in a temp dir, renamed into place; replaces any old one)."""
-    with staging_dir(out_dir) as tmp:
+    with staging_dir(out_dir, _is_store) as tmp:
         _write(examples, tmp, group_size=group_size, meta_fn=lambda: meta or {}, chunk_tokens=chunk_tokens, key=key)
     return TokenStore.open(out_dir)
 
@@ -155,7 +155,7 @@ def cached_token_store(cache_root: Path, key_parts: dict, build: Callable[[], It
         if final.exists():
             log.warning("rebuilding token store %s: %s", final, why)
         log.info("tokenising into %s", final)
-        with staging_dir(final) as tmp:
+        with staging_dir(final, _is_store) as tmp:
             (tmp / "key_parts.json").write_text(json.dumps(key_parts, indent=2, sort_keys=True, default=str))
             _write(build(), tmp, group_size=group_size, meta_fn=meta_fn or dict,
                    chunk_tokens=chunk_tokens, key=key)
@@ -255,6 +255,15 @@ def _write(examples: Iterable[Example], out: Path, *, group_size: int, meta_fn: 
 
 
 # --- cache helpers ---------------------------------------------------------------------------------
+
+def _is_store(path: Path) -> bool:
+    """Only a token store, whole or broken (one of its own files is there), is replaced by a rebuild."""
+    return path.is_dir() and not path.is_symlink() and any(
+        (path / f).is_file() for f in (META, TOKENS, OFFSETS, "key_parts.json"))
+
+
+_is_store.what = "token store (meta.json, tokens.npy, offsets.npy or key_parts.json)"
+
 
 def _open_matching(path: Path, key: str, group_size: int) -> tuple[TokenStore | None, str]:
     if not path.exists():

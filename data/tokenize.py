@@ -3,10 +3,18 @@
 Pretraining documents longer than seq_len are split into seq_len chunks (each its own
 document); SFT conversations and DPO pairs are truncated or dropped per `overlong`. Every
 dropped row is counted by reason in the CleanReport stored with the tokens.
+
+Memory stays bounded whatever a row's length (a 50 MB string costs ~9 GB inside a fast
+tokenizer): documents are tokenised in batches of at most BATCH_CHARS characters, a document
+over SEGMENT_CHARS is tokenised a segment at a time with its chunks streamed out, and a chat
+message is cut, before tokenising, to what the length limit can use (`cut_messages`). Rows under
+these sizes get exactly the tokens they got before.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
+import weakref
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -17,6 +25,8 @@ from data.tokenizer import tokenize_chat
 
 IGNORE = -100
 Example = tuple[list[int], list[int]]
+BATCH_CHARS = 1 << 20     # characters tokenised in one call (several documents)
+SEGMENT_CHARS = 1 << 20   # a longer pretraining document is tokenised a segment at a time
 CODE = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes()
                                for f in ("tokenize.py", "tokenizer.py", "formats.py", "cleaning.py"))).hexdigest()[:16]
 
@@ -26,8 +36,94 @@ def tokenizer_digest(tokenizer_dir: Path) -> str:
     return hashlib.sha256(b"".join(sha256_file(p).encode() for p in files)).hexdigest()
 
 
+_PIECE_CHARS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def max_piece_chars(tok) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry (added tokens
+    included; a byte-level or byte-fallback piece spells at least as many characters as it covers)."""
+    try:
+        return _PIECE_CHARS[tok]
+    except (KeyError, TypeError):
+        pass
+    n = max(1, max((len(p) for p in tok.get_vocab()), default=1))
+    try:
+        _PIECE_CHARS[tok] = n
+    except TypeError:
+        pass
+    return n
+
+
+def usable_chars(tok, tokens: int) -> int:
+    """Characters of one text that can matter when at most `tokens` tokens are kept: a text this long
+    already has more than `tokens` tokens (each token spells at most max_piece_chars), and twice
+    the bound keeps the tokenizer's merges at the cut far from the tokens that are kept."""
+    return 2 * max(tokens, 1) * max_piece_chars(tok) + 64
+
+
+def cut_messages(tok, messages: list[dict], tokens: int, keep: str = "head") -> list[dict]:
+    """`messages` with each content longer than usable_chars(tok, tokens) cut to that many characters
+    (its start, or with keep="tail" its end); the same list when nothing is that long.
+
+    For a conversation truncated to its first `tokens` tokens (keep="head"; or cropped to its last
+    ones, keep="tail") the cut changes nothing: a message that long alone makes it longer than the
+    limit before and after the cut, and the kept tokens come from text the cut leaves alone.
+    """
+    limit = usable_chars(tok, tokens)
+    if all(len(m["content"]) <= limit for m in messages):
+        return messages
+    return [m if len(m["content"]) <= limit else
+            {**m, "content": m["content"][:limit] if keep == "head" else m["content"][-limit:]} for m in messages]
+
+
+def _segments(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of at most `size` characters, cut after a newline or else before a space
+    where there is one in the second half of a piece (where tokens rarely merge across)."""
+    start = 0
+    while len(text) - start > size:
+        end = start + size
+        cut = text.rfind("\n", start + size // 2, end) + 1 or text.rfind(" ", start + size // 2, end)
+        if cut <= start:
+            cut = end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _long_document(text: str, tok, eos: int, seq_len: int, min_tokens: int,
+                   report: CleanReport) -> Iterator[Example]:
+    """lm_examples for one document over SEGMENT_CHARS: tokenised a segment at a time, its seq_len
+    chunks yielded as they fill (the same chunking as the whole document's)."""
+    pending: list[int] = []
+    total, counted = 0, False
+    parts = (tok(seg, add_special_tokens=False)["input_ids"] for seg in _segments(text, SEGMENT_CHARS))
+    for part in itertools.chain(parts, [[eos]]):
+        pending += part
+        total += len(part)
+        if not counted:
+            if total < min_tokens:
+                continue
+            counted = True
+            report.kept += 1
+        full = len(pending) - len(pending) % seq_len
+        for i in range(0, full, seq_len):
+            piece = pending[i:i + seq_len]
+            yield piece, piece
+        del pending[:full]
+    if not counted:
+        report.drop("min_tokens", f"{total} tokens")
+    elif len(pending) >= 2:
+        yield pending, pending
+
+
 def lm_examples(texts: Iterable[str], tok, *, seq_len: int, min_tokens: int, report: CleanReport,
                 batch: int = 512) -> Iterator[Example]:
+    """Each document + eos, in seq_len chunks (every chunk of at least 2 tokens is kept).
+
+    Documents are tokenised `batch` (and at most BATCH_CHARS characters) at a time; one over
+    SEGMENT_CHARS characters is tokenised in segments (cut at a newline where it can be), so a
+    huge document costs bounded memory and still gives all its chunks.
+    """
     eos = tok.eos_token_id
 
     def chunks(buf: list[str]) -> Iterator[Example]:
@@ -42,12 +138,21 @@ def lm_examples(texts: Iterable[str], tok, *, seq_len: int, min_tokens: int, rep
                 if len(piece) >= 2:
                     yield piece, piece
     buf: list[str] = []
+    chars = 0
     for text in texts:
+        if len(text) > SEGMENT_CHARS:
+            if buf:
+                yield from chunks(buf)
+                buf, chars = [], 0
+            yield from _long_document(text, tok, eos, seq_len, min_tokens, report)
+            continue
         buf.append(text)
-        if len(buf) == batch:
+        chars += len(text)
+        if len(buf) == batch or chars >= BATCH_CHARS:
             yield from chunks(buf)
-            buf = []
-    yield from chunks(buf)
+            buf, chars = [], 0
+    if buf:   # (a fast tokenizer fails on an empty batch)
+        yield from chunks(buf)
 
 
 def _fit(example: Example, limit: int, overlong: str, report: CleanReport) -> Example | None:
@@ -66,8 +171,9 @@ def _fit(example: Example, limit: int, overlong: str, report: CleanReport) -> Ex
 
 def sft_examples(conversations: Iterable[list[dict]], tok, *, seq_len: int, overlong: str, min_tokens: int,
                  report: CleanReport) -> Iterator[Example]:
+    """Conversations as (ids, labels); a message is cut to what seq_len can use before tokenising."""
     for messages in conversations:
-        ex = _fit(tokenize_chat(tok, messages), seq_len, overlong, report)
+        ex = _fit(tokenize_chat(tok, cut_messages(tok, messages, seq_len)), seq_len, overlong, report)
         if ex is None:
             continue
         if len(ex[0]) < min_tokens:
@@ -82,8 +188,9 @@ def dpo_examples(pairs: Iterable[tuple[list[dict], dict, dict]], tok, *, seq_len
     """Chosen then rejected, consecutively; each at most seq_len // 2 so a pair shares a row."""
     limit = seq_len // 2
     for prompt, chosen, rejected in pairs:
-        c = _fit(tokenize_chat(tok, prompt + [chosen]), limit, overlong, report)
-        r = _fit(tokenize_chat(tok, prompt + [rejected]), limit, overlong, report) if c else None
+        c = _fit(tokenize_chat(tok, cut_messages(tok, prompt + [chosen], limit)), limit, overlong, report)
+        r = (_fit(tokenize_chat(tok, cut_messages(tok, prompt + [rejected], limit)), limit, overlong, report)
+             if c else None)
         if c is None or r is None:
             continue
         report.kept += 1

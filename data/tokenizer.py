@@ -26,7 +26,9 @@ from typing import Iterator
 
 import sentencepiece as spm
 
-from data.formats import read_pretrain
+from configs.errors import UserError
+from data.cleaning import CleanReport
+from data.formats import MAX_LINE_BYTES, read_pretrain
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -61,9 +63,11 @@ _SPECIAL = re.compile("|".join(re.escape(t) for t in (IM_START, IM_END, BOS, EOS
 _ALPHABET = _DELIM.join("\n" + string.ascii_letters + string.digits + string.punctuation)
 
 
-def _training_sentences(text_files: list[Path]) -> Iterator[str]:
+def _training_sentences(text_files: list[Path], max_line_bytes: int) -> Iterator[str]:
     for path in text_files:
-        for text in read_pretrain(path):
+        # Bad rows were already judged by the data stage (data.on_bad_row): here they are only skipped.
+        for text in read_pretrain(path, on_bad_row="skip", report=CleanReport(max_examples=0),
+                                  max_line_bytes=max_line_bytes):
             # Lines keep sentences short (the trainer drops sentences > 4192 bytes);
             # "\n" itself is in _ALPHABET and never merges, so nothing is lost.
             for line in _SPECIAL.sub(_DELIM, text).split("\n"):
@@ -90,6 +94,7 @@ def train_tokenizer(
     vocab_size: int = 2000,
     seed: int = 0,
     max_sentences: int | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Path:
     """Train the BPE model on `text_files` (any pretraining format data.formats reads) and write HF files.
 
@@ -101,10 +106,32 @@ def train_tokenizer(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spm.set_random_generator_seed(seed)
-    sentences = _training_sentences(text_files)
+    sentences = _training_sentences(text_files, max_line_bytes)
     if max_sentences is not None:
         sentences = iter(_reservoir_sample(sentences, max_sentences, seed))
     model = io.BytesIO()
+    try:
+        _train_bpe(sentences, model, vocab_size)
+    except RuntimeError as e:
+        need = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if need:    # every distinct character gets a piece (character_coverage=1.0)
+            raise UserError(f"tokenizer.vocab_size ({vocab_size}) is smaller than the {need[1]} distinct characters "
+                            f"(plus special pieces) in the pretraining text; raise tokenizer.vocab_size above "
+                            f"{need[1]}") from None
+        raise
+    (out_dir / "tokenizer.model").write_bytes(model.getvalue())
+    tok = _hf_tokenizer(spm.SentencePieceProcessor(model_proto=model.getvalue()))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out_dir))
+    # transformers 5 writes chat_template.jinja; vLLM and older readers also look here.
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return out_dir
+
+
+def _train_bpe(sentences, model: io.BytesIO, vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=itertools.chain([_ALPHABET], sentences),
         model_writer=model,
@@ -126,16 +153,6 @@ def train_tokenizer(
         num_threads=2,
         minloglevel=2,
     )
-    (out_dir / "tokenizer.model").write_bytes(model.getvalue())
-    tok = _hf_tokenizer(spm.SentencePieceProcessor(model_proto=model.getvalue()))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out_dir))
-    # transformers 5 writes chat_template.jinja; vLLM and older readers also look here.
-    config_path = out_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    return out_dir
 
 
 def _hf_tokenizer(sp: spm.SentencePieceProcessor):  # -> transformers.LlamaTokenizer

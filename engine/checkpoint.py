@@ -9,8 +9,9 @@ One checkpoint is a directory `root/step-XXXXXXXX/` (8-digit, zero-padded step):
     manifest.json        written last: sha256 + size of every file above, the optimizer's raw and
                          compressed sizes, and a checksum of the manifest itself
 
-Beside them, `root/best.safetensors` holds the trainable weights with the best validation loss
-so far (when the stage validates), tagged with their step.
+Beside them, `root/best/` holds the trainable weights with the best validation loss so far (when
+the stage validates): `model.safetensors` + a `manifest.json` of the same kind (sha256, step,
+validation loss), published the same atomic way and verified on load.
 
 Crash safety: a save is written into `root/.tmp-step-XXXXXXXX-<pid>/`, every file and the directory
 fsynced, then renamed into place in one step, so a reader sees a whole checkpoint or none; a kill -9
@@ -47,14 +48,15 @@ import torch
 import zstandard
 
 from artifacts import sha256_file, sha256_json
+from configs.errors import UserError
 
 MODEL, OPTIMIZER, RNG, TRAINER_STATE, MANIFEST = (
     "model.safetensors", "optimizer.pt.zst", "rng.json", "trainer_state.json", "manifest.json")
-BEST = "best.safetensors"
+BEST = "best"
 FORMAT = "glm-lora-checkpoint/1"
 ZSTD_LEVEL = 3          # the issue's choice; fp32 moments barely compress at any level, so stay fast
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_SCRATCH_DIR = re.compile(r"^\.(?:tmp|old)-step-\d{8,}-(\d+)$")     # our temp / replaced dirs, by pid
+_SCRATCH_DIR = re.compile(r"^\.(?:tmp|old)-(?:step-\d{8,}|best)-(\d+)$")     # our temp / replaced dirs, by pid
 
 
 class CheckpointError(RuntimeError):
@@ -63,6 +65,11 @@ class CheckpointError(RuntimeError):
 
 class CorruptCheckpoint(CheckpointError):
     """A checkpoint that fails verification; the message starts with the offending file's path."""
+
+
+class CheckpointUnusable(CheckpointError, UserError):
+    """Checkpoints exist but none verifies, or the best weights don't: resuming would silently
+    restart (and overwrite the good best weights), so the stage stops and says what to do."""
 
 
 @dataclass
@@ -410,23 +417,59 @@ class CheckpointManager:
     # ---- the best weights by validation loss (early stopping carries these forward)
 
     def save_best(self, weights: dict[str, torch.Tensor], *, step: int, val_loss: float) -> None:
-        """Replace root/best.safetensors atomically (temp file + fsync + rename)."""
+        """Replace root/best/ atomically: model.safetensors + a verifiable manifest."""
         tmp = self.root / f".tmp-{BEST}-{os.getpid()}"
-        meta = {"format": "pt", "step": str(step), "val_loss": repr(val_loss)}
-        safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=meta)
-        _fsync(tmp)
-        os.replace(tmp, self.root / BEST)
-        _fsync(self.root)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / MODEL),
+                                        metadata={"format": "pt"})
+            _fsync(tmp / MODEL)
+            manifest = {"format": FORMAT, "step": step, "val_loss": val_loss,
+                        "files": {MODEL: {"sha256": sha256_file(tmp / MODEL), "size": (tmp / MODEL).stat().st_size}}}
+            manifest["manifest_sha256"] = _manifest_checksum(manifest)
+            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+            _fsync(tmp)
+            self._publish(tmp, self.root / BEST)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def best_step(self) -> int | None:
+        """The step the saved best weights claim (unverified), or None if there are none."""
+        try:
+            return json.loads((self.root / BEST / MANIFEST).read_text(encoding="utf-8"))["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def load_best(self, step: int) -> dict[str, torch.Tensor] | None:
-        """The saved best weights if they are the ones recorded at `step`, else None."""
+        """The saved best weights if they are the ones recorded at `step` (None otherwise).
+
+        Raises CheckpointUnusable if they fail verification: carrying a flipped byte forward as the
+        stage's output is worse than stopping.
+        """
         path = self.root / BEST
-        if not path.is_file():
+        if not path.is_dir():
             return None
-        with safetensors.safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("step") != str(step):
-                return None
-        return safetensors.torch.load_file(str(path))
+        try:
+            manifest = json.loads((path / MANIFEST).read_bytes().decode("utf-8"))
+            ok = isinstance(manifest, dict) and manifest.get("manifest_sha256") == _manifest_checksum(manifest)
+            entry = manifest["files"][MODEL] if ok else None
+            data = (path / MODEL).read_bytes() if ok else b""
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ok, why = False, f"unreadable ({e})"
+        else:
+            why = "its manifest checksum does not match" if not ok else ""
+            if ok and (len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]):
+                ok, why = False, "sha256 does not match its manifest (corrupted)"
+        if not ok:
+            raise CheckpointUnusable(
+                f"{path / MODEL}: the best weights of this stage fail verification: {why}. Delete {self.root} "
+                "to train the stage again from the start")
+        if manifest.get("step") != step:
+            return None
+        return safetensors.torch.load(data)
 
     # ---- finding and loading
 
@@ -448,15 +491,18 @@ class CheckpointManager:
         optimizer, and says so); None if nothing verifies.
 
         Verification re-hashes every file against the manifest. Checkpoints failing it are logged
-        (naming the file) and skipped. Leftover temp dirs of dead writers are removed.
+        (naming the file) and skipped; if there are checkpoints and none verifies, CheckpointUnusable
+        is raised rather than silently starting over. Leftover temp dirs of dead writers are removed.
         """
         self._remove_scratch()
         fallback: Checkpoint | None = None
+        failures = []
         for step, path in reversed(self._step_dirs()):
             try:
                 ckpt = self._load(step, path)
             except CorruptCheckpoint as e:
                 self.log.warning("skipping checkpoint %s: %s", path, e)
+                failures.append(str(e))
                 continue
             if ckpt.optimizer is not None:
                 if fallback is not None:
@@ -468,6 +514,11 @@ class CheckpointManager:
         if fallback is not None:
             self.log.warning("no verified checkpoint with optimizer state under %s; using model-only %s",
                              self.root, fallback.path.name)
+        elif failures:
+            raise CheckpointUnusable(
+                f"none of the {len(failures)} checkpoints under {self.root} verifies ({'; '.join(failures[:3])}); "
+                f"refusing to start over and overwrite them. Delete {self.root} (or set checkpoint.resume: never) "
+                "to train the stage again from the start")
         return fallback
 
     def _remove_scratch(self) -> None:

@@ -10,6 +10,9 @@
 Every function runs under torch.no_grad() with the model in eval mode (its mode is restored
 afterwards) and reuses the training code paths: tokenisation (data.tokenize), batch layout
 (data.packing) and the loss heads (engine.losses), so eval numbers mean what training numbers mean.
+Held-out files are read by the same readers as training data (data.formats), with the same
+bad-row policy and line limit (`read_task_rows`; engine.stages.eval_*), and a prompt is cut to
+what the model's context can use before it is tokenised.
 """
 from __future__ import annotations
 
@@ -22,16 +25,18 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from configs.errors import quote
 from data.cleaning import CleanReport
-from data.formats import iter_rows, read_sft
+from data.formats import MAX_LINE_BYTES, read_sft_rows
 from data.packing import PackedBatches, padded_batches
 from data.synthetic import check_answer
-from data.tokenize import dpo_examples, lm_examples
+from data.tokenize import cut_messages, dpo_examples, lm_examples
 from engine.losses import causal_lm_loss, group_logprobs
 from engine.trainer import to_device
 from model.lora import lora_disabled, lora_modules
 
 ALL = "all"  # the family of rows without a "task" field
+SAMPLE_CHARS = 300  # prompt / reference / answer text kept per sample in the metrics
 
 
 class _Examples:
@@ -157,7 +162,8 @@ def greedy_answers(model, tok, prompts: list[list[dict]], *, max_new_tokens: int
     Same tokens as Decoder.generate on the chat template with the generation prompt, stopping at
     the tokenizer's eos (<|im_end|>); special tokens are dropped from the text.
     """
-    ids = [_prompt_ids(tok, p) for p in prompts]
+    context = model.config.max_seq_len   # generate() sees at most the prompt's last `context` tokens
+    ids = [_prompt_ids(tok, cut_messages(tok, p, context, keep="tail")) for p in prompts]
     with _evaluating(model):
         tokens = greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
                                batch_size=batch_size)
@@ -166,18 +172,32 @@ def greedy_answers(model, tok, prompts: list[list[dict]], *, max_new_tokens: int
 
 # ---------------------------------------------------------------- task exact match
 
-def read_task_rows(path: str | Path, *, limit: int | None = None) -> list[dict]:
+def _family(task) -> str:
+    if task is None or task == "":
+        return ALL
+    return task if isinstance(task, str) else quote(task, 60)
+
+
+def read_task_rows(path: str | Path, *, limit: int | None = None, on_bad_row: str = "error",
+                   report: CleanReport | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> list[dict]:
     """Rows for task_metrics from any SFT-format file: {"conversations": [...], "task": family}.
 
-    The conversation comes from data.formats.read_sft (chat, ShareGPT or Alpaca rows); the family
-    from the row's "task" field, "all" where there is none.
+    The conversation comes from data.formats (chat, ShareGPT or Alpaca rows, read_sft's checks,
+    `on_bad_row` / `report` / `max_line_bytes` as there); the family from the row's "task" field,
+    "all" where there is none. `limit` counts good rows.
     """
     rows = []
-    for (_, raw), conv in zip(iter_rows(path), read_sft(path)):
-        rows.append({"conversations": conv, "task": raw.get("task") or ALL})
+    if limit is not None and limit <= 0:
+        return rows
+    for conv, raw in read_sft_rows(path, on_bad_row=on_bad_row, report=report, max_line_bytes=max_line_bytes):
+        rows.append({"conversations": conv, "task": _family(raw.get("task"))})
         if limit is not None and len(rows) == limit:
             break
     return rows
+
+
+def _sample(text: str) -> str:
+    return text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS - 1] + "…"
 
 
 def _split(conv: list[dict], where: str) -> tuple[list[dict], str]:
@@ -200,7 +220,7 @@ def task_metrics(model, tok, rows: list[dict], *, max_new_tokens: int = 24, exam
         prompt, ref = _split(row["conversations"], f"row {k}")
         prompts.append(prompt)
         refs.append(ref)
-        families.append(row.get("task") or ALL)
+        families.append(_family(row.get("task")))
     answers = greedy_answers(model, tok, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     hits: dict[str, list[bool]] = {}
     samples = []
@@ -208,8 +228,8 @@ def task_metrics(model, tok, rows: list[dict], *, max_new_tokens: int = 24, exam
         ok = check_answer(fam, ans, ref)
         hits.setdefault(fam, []).append(ok)
         if len(hits[fam]) <= examples:
-            samples.append({"task": fam, "prompt": prompt[-1]["content"], "reference": ref, "answer": ans,
-                            "correct": ok})
+            samples.append({"task": fam, "prompt": _sample(prompt[-1]["content"]), "reference": _sample(ref),
+                            "answer": _sample(ans), "correct": ok})
     per_family = {fam: sum(h) / len(h) for fam, h in sorted(hits.items())}
     return {"exact_match": sum(per_family.values()) / len(per_family), "per_family": per_family,
             "min_family": min(per_family.values()), "n": len(rows),

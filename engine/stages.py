@@ -16,12 +16,14 @@ from safetensors.torch import load_file, save_file
 
 import kernels
 from artifacts import read_manifest, sha256_json
+from configs.errors import UserError
 from configs.schema import Config, LoRAConfig, TrainConfig
 from data import formats
+from data.formats import DataError
 from data.cleaning import CleanReport, clean_conversations, clean_pairs, clean_texts
 from data.packing import PackedBatches, padded_batches
 from data.prefetch import Prefetcher
-from data.prepare import split_path, split_source
+from data.prepare import split_path, split_source, unchanged_rows
 from data.sampler import EpochSampler
 from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
 from data.tokenizer import load_tokenizer
@@ -48,7 +50,7 @@ def setup(cfg: Config, seed: int) -> Runtime:
 def _decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
     m = cfg.model
     if m.vocab_size is not None and m.vocab_size < vocab:
-        raise ValueError(f"model.vocab_size {m.vocab_size} is smaller than the tokenizer's {vocab} tokens")
+        raise UserError(f"model.vocab_size {m.vocab_size} is smaller than the tokenizer's {vocab} tokens")
     return DecoderConfig(vocab_size=m.vocab_size or vocab, hidden_size=m.hidden_size, num_layers=m.num_layers,
                          num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
                          max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
@@ -57,7 +59,7 @@ def _decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
 
 def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
     if seq_len > model.config.max_seq_len:
-        raise ValueError(f"{key}.seq_len {seq_len} exceeds model.max_seq_len {model.config.max_seq_len}")
+        raise UserError(f"{key}.seq_len {seq_len} exceeds model.max_seq_len {model.config.max_seq_len}")
 
 
 # ---------------------------------------------------------------- data
@@ -68,9 +70,11 @@ def token_store(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pat
     dc = cfg.data
     split = split or kind
     path, sha = split_source(data_dir, split)
-    report = CleanReport()
+    report = CleanReport(max_examples=dc.report_examples)
     read = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo}[kind]
-    rows = read(path, on_bad_row=dc.on_bad_row, report=report)
+    # Read lazily (only on a cache miss), checked against the hash the cache key is made of.
+    rows = unchanged_rows(read(path, on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes),
+                          path, sha, split)
     if kind == "pretrain":
         examples = lm_examples(clean_texts(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
                                min_tokens=dc.min_tokens, report=report)
@@ -81,11 +85,12 @@ def token_store(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pat
         examples = dpo_examples(clean_pairs(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
                                 overlong=dc.overlong, report=report)
     settings = {"seq_len": tc.seq_len, "min_tokens": dc.min_tokens, "overlong": dc.overlong, "dedup": dc.dedup,
-                "on_bad_row": dc.on_bad_row}
+                "on_bad_row": dc.on_bad_row, "max_line_bytes": dc.max_line_bytes}
     store = tokenized(kind, sha, tokenizer_dir, examples, cache_root=cfg.runs_dir.resolve() / ".cache" / "tokens",
                       settings=settings, report=report)
     if len(store) < store.meta["group_size"]:
-        raise ValueError(f"{split}: no examples left after cleaning: {store.meta.get('clean')}")
+        raise DataError(f"data.{split}: no examples left after cleaning ({store.meta.get('clean')}); "
+                        f"check {kind}.seq_len ({tc.seq_len}) and data.min_tokens / data.overlong")
     return store
 
 
@@ -209,17 +214,39 @@ def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
 # ---------------------------------------------------------------- held-out evaluation
 
 def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
-    texts = itertools.islice(formats.read_pretrain(split_path(data_dir, "pretrain_eval")), cfg.eval.max_rows)
-    return evaluate.lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
+    """Held-out LM metrics on pretrain_eval, read like training data (data.on_bad_row, data.max_line_bytes):
+    with on_bad_row=skip a bad row is counted in `bad_rows_pretrain_eval` instead of failing the stage."""
+    dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
+    rows = formats.read_pretrain(split_path(data_dir, "pretrain_eval"), on_bad_row=dc.on_bad_row, report=report,
+                                 max_line_bytes=dc.max_line_bytes)
+    metrics = evaluate.lm_metrics(model, tok, itertools.islice(rows, cfg.eval.max_rows), seq_len=cfg.pretrain.seq_len)
+    if report.dropped.get("bad_row"):
+        log.warning("pretrain_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
+                    report.examples.get("bad_row", []))
+    return {**metrics, "bad_rows_pretrain_eval": report.dropped.get("bad_row", 0)}
 
 
 def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
-    rows = evaluate.read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows)
-    return evaluate.task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
+    """Exact match on sft_eval; bad rows as in eval_lm (counted in `bad_rows_sft_eval`)."""
+    dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
+    rows = evaluate.read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows,
+                                   on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes)
+    if report.dropped.get("bad_row"):
+        log.warning("sft_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
+                    report.examples.get("bad_row", []))
+    metrics = evaluate.task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
+    return {**metrics, "bad_rows_sft_eval": report.dropped.get("bad_row", 0)}
 
 
 def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
-    pairs = list(itertools.islice(formats.read_dpo(split_path(data_dir, "dpo_eval")), cfg.eval.max_rows))
+    """DPO metrics on dpo_eval (+ exact match on sft_eval); bad rows as in eval_lm (`bad_rows_dpo_eval`)."""
+    dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
+    rows = formats.read_dpo(split_path(data_dir, "dpo_eval"), on_bad_row=dc.on_bad_row, report=report,
+                            max_line_bytes=dc.max_line_bytes)
+    pairs = list(itertools.islice(rows, cfg.eval.max_rows))
+    if report.dropped.get("bad_row"):
+        log.warning("dpo_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
+                    report.examples.get("bad_row", []))
     prefs = evaluate.preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
     tasks = eval_tasks(cfg, model, tok, data_dir)
     rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
@@ -227,7 +254,8 @@ def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
         sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
     return {**prefs, "exact_match": tasks["exact_match"], "min_family": tasks["min_family"],
             "per_family": tasks["per_family"], "rejected_match_rate": rejected,
-            "sft_rejected_match_rate": sft_rejected, "samples": tasks["samples"]}
+            "sft_rejected_match_rate": sft_rejected, "samples": tasks["samples"],
+            "bad_rows_dpo_eval": report.dropped.get("bad_row", 0), "bad_rows_sft_eval": tasks["bad_rows_sft_eval"]}
 
 
 # ---------------------------------------------------------------- stages

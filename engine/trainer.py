@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from configs.errors import UserError
 from configs.schema import CheckpointConfig, TrainConfig
 from artifacts import sha256_json, source_hash
 from engine.checkpoint import CheckpointManager, capture_rng, config_diff, restore_rng
@@ -35,11 +36,11 @@ CODE_VERSION = source_hash(Path(__file__).resolve().parents[1], ("data", "engine
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss went NaN/inf: the same data and settings would do it again, so no retry."""
 
 
-class IncompatibleResumeError(RuntimeError):
+class IncompatibleResumeError(UserError, RuntimeError):
     pass
 
 
@@ -57,7 +58,7 @@ class Runtime:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("config device=cuda but no CUDA device is visible; use device: cpu or auto")
+            raise UserError("config device=cuda but no CUDA device is visible; use device: cpu or auto")
         if precision == "auto":
             precision = "bf16" if device == "cuda" else "fp32"
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -227,6 +228,9 @@ class EarlyStopping:
 def _restore(model, opt, ckpt, run_config: dict, structural_keys: Sequence[str], name: str) -> dict:
     c = ckpt.latest()
     if c is None:
+        if ckpt.best_step() is not None:
+            log.warning("%s: discarding the best weights of step %s under %s: there is no checkpoint to resume "
+                        "from, so the stage starts over", name, ckpt.best_step(), ckpt.root)
         return {}
     diff = config_diff(c.trainer_state.get("config", {}), run_config, list(structural_keys))
     if diff:

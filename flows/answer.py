@@ -15,6 +15,8 @@ def main(runs_dir: str = "runs") -> int:
     print(f"\n[{a['endpoint']}] model={a['model']}\n  Q: {a['prompt']}\n  A: {a['answer']}"
           f"\n  (in-process greedy: {a['inprocess_answer']!r}; match={a['matches_inprocess']};"
           f" server {'running' if a['running'] else 'stopped'})")
+    if a.get("api_key_from"):
+        print(f"  the endpoint requires 'Authorization: Bearer <key>'; the key is in the {a['api_key_from']}")
     return 0
 
 

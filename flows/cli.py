@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import artifacts
+from artifacts.lock import run_lock
 from configs import ConfigError, load_config, parse_value
+from configs.errors import UserError
 
 UPSTREAM = {
     "data": [], "tokenizer": ["data"], "pretrain": ["tokenizer", "data"], "import_base": [],
@@ -27,7 +29,7 @@ def _overrides(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
         out[key] = parse_value(value)
     return out
 
@@ -41,8 +43,10 @@ def run_one_stage(stage: str, cfg) -> artifacts.ArtifactRef:
     base = "import_base" if cfg.base_model else "pretrain"
     names = [base if u == "BASE" else u for u in UPSTREAM[stage]]
     dirs = [cfg.stage_dir(n) for n in names]
-    for d in dirs:
-        artifacts.verify(d)
+    for name, d in zip(names, dirs):
+        if not artifacts.is_complete(d):
+            raise UserError(f"stage {stage} needs the {name} stage's output, and {d} is missing or incomplete; "
+                            f"run `python -m flows.cli stage {name}` (or the whole flow) first")
     fns = {
         "data": lambda out: prepare_data(cfg.data, out),
         "tokenizer": lambda out: prepare_tokenizer(dirs[0], cfg.tokenizer.vocab_size, out, base_model=cfg.base_model),
@@ -72,18 +76,34 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        overrides = _overrides(args.set)
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
+        return _run(args)
+    except (UserError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        return _user_error(e)
+
+
+def _user_error(e: BaseException | str) -> int:
+    """One line on stderr naming the file / row / key, no traceback: it is the user's to fix."""
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
+    from engine.preflight import preflight
+
+    overrides = _overrides(args.set)
+    cfg = load_config(args.config, overrides)
+    preflight(cfg)
     if args.cmd == "stage":
-        ref = run_one_stage(args.name, cfg)
+        with run_lock(cfg.run_dir):
+            ref = run_one_stage(args.name, cfg)
         print(json.dumps({**ref.to_dict(), "metrics": ref.manifest()["metrics"]}, indent=2, ensure_ascii=False))
         return 0
     from flows.glm_lora import glm_lora
-    result = glm_lora(config=args.config, overrides=overrides, refresh=args.refresh)
-    print(json.dumps(result, indent=2, ensure_ascii=False))
+    from tasks.stages import is_user_error
+    state = glm_lora(config=args.config, overrides=overrides, refresh=args.refresh, return_state=True)
+    if state.is_failed():
+        return _user_error(state.message) if is_user_error(state) else 1   # a bug: Prefect logged its traceback
+    print(json.dumps(state.result(), indent=2, ensure_ascii=False))
     return 0
 
 

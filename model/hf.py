@@ -12,7 +12,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from configs.errors import UserError, quote
 from model.model import Decoder, DecoderConfig
+
+
+class BaseModelError(UserError, ValueError):
+    """A base-model directory we cannot import; the message names the file and key."""
 
 # model_type → architecture; qk_norm picks Qwen3 (Llama has no q/k norm), else Llama.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -63,20 +68,25 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
     model_type = hf.get("model_type")
     if model_type not in HF_ARCHITECTURES:
         supported = ", ".join(f"{a} (model_type '{t}')" for t, a in HF_ARCHITECTURES.items())
-        raise ValueError(f"{source}: model_type {model_type!r} / {arch} is not supported; "
-                         f"base_model must be one of: {supported}")
+        raise BaseModelError(f"{source}: model_type {quote(model_type)} / {quote(arch)} is not supported; "
+                             f"base_model must be one of: {supported}")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
+    if missing:
+        raise BaseModelError(f"{source}: required key {missing[0]!r} is missing or not an integer "
+                             f"(got {quote(hf.get(missing[0]))})")
     for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf.get(key):
-            raise ValueError(f"{source}: {key}=true is not supported by the glm-lora decoder")
+            raise BaseModelError(f"{source}: {key}=true is not supported by the glm-lora decoder")
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = hf.get(rope_key) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))   # legacy configs spell it `type`
     if rope_type != "default":
-        raise ValueError(f"{source}: {rope_key} rope type {rope_type!r} is not supported (only 'default')")
+        raise BaseModelError(f"{source}: {rope_key} rope type {quote(rope_type)} is not supported (only 'default')")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}")
+        raise BaseModelError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}")
     return DecoderConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -87,10 +97,33 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
     )
 
 
-def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
+def read_hf_config(path: Path) -> DecoderConfig:
+    """A base model directory's config.json → our DecoderConfig, or a BaseModelError naming the file and key."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise BaseModelError(f"base_model {path}: no config.json (expected a local Hugging Face model directory)")
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise BaseModelError(f"{cfg_file}: not readable JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise BaseModelError(f"{cfg_file}: expected a JSON object")
+    return decoder_config_from_hf(hf, str(cfg_file))
+
+
+def check_weights(path: Path) -> list[Path]:
+    """The *.safetensors files of a model directory; refuses a directory with only pickled weights."""
+    files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights (pickled .bin weights are never loaded)")
+        pickled = sorted(p.name for p in Path(path).glob("*.bin")) + sorted(p.name for p in Path(path).glob("*.pt"))
+        raise BaseModelError(f"base_model {path}: no *.safetensors weights"
+                             + (f" (only pickled {', '.join(pickled[:3])}, which are never loaded: convert them with "
+                                "`model.save_pretrained(dir, safe_serialization=True)`)" if pickled else ""))
+    return files
+
+
+def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    files = check_weights(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
@@ -100,16 +133,13 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 def load_hf(path: Path) -> Decoder:
     """A local HF Llama (or Qwen3) directory → our Decoder (fp32), via the weight map."""
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"base_model {path}: no config.json (expected a local Hugging Face model directory)")
-    cfg = decoder_config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    cfg = read_hf_config(path)
     state = _load_safetensors_dir(path)
     model = Decoder(cfg)
     ours = {}
     for our_name, hf_name in hf_weight_map(cfg).items():
         if hf_name not in state:
-            raise KeyError(f"{path}: weight {hf_name!r} missing from the safetensors files")
+            raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files")
         ours[our_name] = state[hf_name].float()
     model.load_state_dict(ours, strict=not cfg.tie_embeddings)
     return model

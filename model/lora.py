@@ -13,6 +13,11 @@ import torch
 import torch.nn as nn
 
 import kernels
+from configs.errors import UserError
+
+
+class LoRAConfigError(UserError, ValueError):
+    """LoRA settings that don't fit the model (e.g. target modules a base model doesn't have)."""
 
 
 class LoRALinear(nn.Module):
@@ -52,7 +57,7 @@ def saved_modules(model: nn.Module, modules_to_save) -> dict[str, nn.Module]:
     found = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in modules_to_save}
     missing = set(modules_to_save) - {n.rsplit(".", 1)[-1] for n in found}
     if missing:
-        raise ValueError(f"lora.modules_to_save {sorted(missing)} not found in the model")
+        raise LoRAConfigError(f"lora.modules_to_save {sorted(missing)} not found in the model")
     return found
 
 
@@ -64,7 +69,7 @@ def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: floa
     available = sorted({n.rsplit(".", 1)[-1] for n in names})
     unknown = [t for t in target_modules if t not in available]
     if unknown:
-        raise ValueError(f"lora.target_modules {unknown} not found in the model; its linear layers are {available}")
+        raise LoRAConfigError(f"lora.target_modules {unknown} not found in the model; its linear layers are {available}")
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []

@@ -18,6 +18,7 @@ if ! curl -sf "$PREFECT_API_URL/health" >/dev/null; then
   for _ in $(seq 120); do curl -sf "$PREFECT_API_URL/health" >/dev/null && break; sleep 1; done
   curl -sf "$PREFECT_API_URL/health" >/dev/null || { tail -30 "$PREFECT_HOME/server.log"; exit 1; }
 fi
+require_prefect_auth || exit 1
 prefect work-pool inspect glm-lora >/dev/null 2>&1 || prefect work-pool create glm-lora --type process >/dev/null
 prefect --no-prompt deploy --all >/dev/null
 
@@ -26,7 +27,7 @@ if ! { [ -f "$PREFECT_HOME/worker.pid" ] && kill -0 "$(cat "$PREFECT_HOME/worker
   echo $! >"$PREFECT_HOME/worker.pid"
 fi
 
-echo "[run] prefect deployment run glm-lora/full (UI: http://127.0.0.1:$PREFECT_PORT)"
+echo "[run] prefect deployment run glm-lora/full (UI: http://127.0.0.1:$PREFECT_PORT, password: the content of $PREFECT_HOME/auth)"
 prefect deployment run glm-lora/full --watch "$@"
 python -m flows.answer
 echo "[run] total $(( $(date +%s) - t0 )) s"

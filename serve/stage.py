@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from artifacts import read_manifest
-from configs.schema import Config
+from configs.errors import UserError
+from configs.schema import Config, ServeConfig
 from engine.gate import promotion_gate
 from data.tokenizer import load_tokenizer
 from model.hf import load_hf
@@ -47,7 +49,27 @@ def inprocess_answer(model_dir: Path, messages: list[dict], max_tokens: int) -> 
     return tok.decode(out, skip_special_tokens=True)
 
 
-class GateFailed(RuntimeError):
+def api_key(sc: ServeConfig) -> tuple[str | None, str | None]:
+    """(key, where it came from) for the served endpoint; the key never goes into a file or log."""
+    if sc.api_key_env:
+        key = os.environ.get(sc.api_key_env)
+        if not key:
+            raise UserError(f"serve.api_key_env: the environment variable {sc.api_key_env} is unset or empty; "
+                            "export the key in it where the flow runs (the worker's environment) or unset the option")
+        return key, f"environment variable {sc.api_key_env}"
+    if sc.api_key_secret:
+        from prefect.blocks.system import Secret
+        try:
+            key = Secret.load(sc.api_key_secret).get()
+        except ValueError as e:   # no such block
+            raise UserError(f"serve.api_key_secret: cannot load the Prefect Secret block {sc.api_key_secret!r} ({e})") from None
+        if not key or not isinstance(key, str):
+            raise UserError(f"serve.api_key_secret: the Prefect Secret block {sc.api_key_secret!r} must hold a non-empty string")
+        return key, f"Prefect Secret block {sc.api_key_secret}"
+    return None, None
+
+
+class GateFailed(UserError, RuntimeError):
     pass
 
 
@@ -59,6 +81,7 @@ def served_record(serve_dir: Path) -> dict | None:
 def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
     sc = cfg.serve
     final_dir = cfg.stage_dir("serve")
+    key, key_source = api_key(sc)   # before anything is stopped or started
     # ---- promotion gate: the old model keeps serving unless the new one passes
     candidate = read_manifest(Path(export_dir))["metrics"].get("eval", {})
     previous = served_record(final_dir)
@@ -77,24 +100,24 @@ def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     handle = start_server(model_dir, port=sc.port, host=sc.host, served_model_name=cfg.run_name, dtype=sc.dtype,
                           max_model_len=sc.max_model_len, kv_cache_bytes=sc.kv_cache_bytes,
-                          log_path=final_dir.parent / "serve.log")
+                          log_path=final_dir.parent / "serve.log", api_key=key)
     try:
         wait_healthy(handle, timeout_s=sc.startup_timeout_s)
         ready_s = time.perf_counter() - t0
-        answer = chat(handle, messages, max_tokens=sc.max_tokens, temperature=0.0)
-    except BaseException:
+        answer = chat(handle, messages, max_tokens=sc.max_tokens, temperature=0.0, api_key=key)
+        ours = inprocess_answer(model_dir, messages, sc.max_tokens)
+    except BaseException:   # no record is written: nothing else could stop this server
         stop_server(handle.pid)
         raise
-    ours = inprocess_answer(model_dir, messages, sc.max_tokens)
     running = sc.keep_running
     if not running:
         stop_server(handle.pid)
     record = {"pid": handle.pid, "url": handle.base_url, "model": cfg.run_name, "running": running,
-              "log": str(handle.log_path), "model_dir": str(model_dir), "eval": candidate}
+              "log": str(handle.log_path), "model_dir": str(model_dir), "eval": candidate, "api_key_from": key_source}
     (Path(out_dir) / RECORD).write_text(json.dumps(record, indent=2))
     result = {"endpoint": f"{handle.base_url}/v1/chat/completions", "model": cfg.run_name, "prompt": sc.prompt,
               "answer": answer, "inprocess_answer": ours, "matches_inprocess": answer.strip() == ours.strip(),
-              "ready_s": round(ready_s, 1), "running": running, "gate": gate.table}
+              "ready_s": round(ready_s, 1), "running": running, "gate": gate.table, "api_key_from": key_source}
     (Path(out_dir) / "answer.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
     log.info("served %s: %r -> %r (in-process: %r)", result["endpoint"], sc.prompt, answer, ours)
     return result

@@ -27,6 +27,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route localhost via a proxy
+_PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"   # modules the vLLM process imports
 
 
 @dataclass
@@ -81,8 +82,14 @@ def start_server(
     max_lora_rank: int | None = None,
     log_path: Path,
     extra_args: list[str] | tuple[str, ...] = (),
+    api_key: str | None = None,
 ) -> ServerHandle:
-    """Launch the server in the background and return at once; call `wait_healthy` next."""
+    """Launch the server in the background and return at once; call `wait_healthy` next.
+
+    api_key: require `Authorization: Bearer <api_key>` on every route but /health (README "Security").
+    It goes to vLLM as $VLLM_API_KEY (same as --api-key), never on the command line: argv is visible to
+    every user in `ps`. vLLM itself guards only /v1/*; our middleware (vllm_plugins/) guards the rest.
+    """
     if port_in_use(host, port):
         raise RuntimeError(f"port {host}:{port} is already in use")
     # Absolute paths everywhere: a relative path that does not exist is taken as a hub id.
@@ -107,6 +114,8 @@ def start_server(
         rank = max_lora_rank or _lora_rank_for(lora_modules.values())
         cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-modules"]
         cmd += [f"{name}={Path(path).resolve()}" for name, path in lora_modules.items()]
+    if api_key:
+        cmd += ["--middleware", "glm_lora_vllm_auth.RequireApiKey"]
     cmd += list(extra_args)
     env = {
         **os.environ,
@@ -118,6 +127,10 @@ def start_server(
         "DO_NOT_TRACK": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
+    env.pop("VLLM_API_KEY", None)  # only an explicit api_key turns auth on
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PLUGINS), env.get("PYTHONPATH")]))
     log_path = Path(log_path).resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -180,6 +193,7 @@ def chat(
     model: str | None = None,
     max_tokens: int = 64,
     temperature: float = 0.0,
+    api_key: str | None = None,
     **request,
 ) -> str:
     """One /v1/chat/completions request; returns the assistant text. `request`: further
@@ -191,19 +205,29 @@ def chat(
         "temperature": temperature,
         **request,
     }
-    return post_json(handle, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    return post_json(handle, "/v1/chat/completions", body, api_key=api_key)["choices"][0]["message"]["content"]
 
 
-def post_json(handle: ServerHandle, path: str, body: dict, timeout_s: float = 300) -> dict:
+def post_json(handle: ServerHandle, path: str, body: dict, timeout_s: float = 300, api_key: str | None = None) -> dict:
     """POST a JSON body to the server and return the decoded JSON reply."""
-    req = urllib.request.Request(
-        handle.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    return _request(handle, path, json.dumps(body).encode(), timeout_s, api_key)
+
+
+def get_json(handle: ServerHandle, path: str, timeout_s: float = 30, api_key: str | None = None) -> dict:
+    """GET a JSON reply (e.g. /v1/models)."""
+    return _request(handle, path, None, timeout_s, api_key)
+
+
+def _request(handle: ServerHandle, path: str, data: bytes | None, timeout_s: float, api_key: str | None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(handle.base_url + path, data=data, headers=headers)
     try:
         with _LOCAL.open(req, timeout=timeout_s) as r:
             return json.load(r)
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"POST {path} failed: {e.code} {e.read().decode(errors='replace')}") from e
+        raise RuntimeError(f"{req.get_method()} {path} failed: {e.code} {e.read().decode(errors='replace')}") from e
 
 
 def _group_members(pgid: int) -> list[int]:

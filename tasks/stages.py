@@ -5,6 +5,7 @@ small ArtifactRef dict (path + digest) — never a model object.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from pathlib import Path
@@ -14,8 +15,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
+from prefect.states import Failed
 
 import artifacts
+from configs.errors import UserError
 from configs.schema import Config
 from tasks.cache import reusable, stage_key
 
@@ -67,10 +70,40 @@ def _p(ref: dict) -> Path:
     return Path(ref["path"])
 
 
-stage_task = dict(retries=1, retry_delay_seconds=5, persist_result=True, result_serializer="json")
+def _user_error_names(cls: type = UserError) -> set[str]:
+    return {cls.__name__}.union(*(_user_error_names(sub) for sub in cls.__subclasses__()))
+
+
+def fails_cleanly(fn: Callable) -> Callable:
+    """A UserError ends the task in a Failed state named after the error, with its one-line message:
+    no traceback in the logs (it is not a bug) and no retry (see `transient`)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            get_run_logger().error("error: %s", e)
+            return Failed(name=type(e).__name__, message=str(e))
+    return wrapper
+
+
+def is_user_error(state) -> bool:
+    """A Failed state made by `fails_cleanly` (or the flow's own equivalent)."""
+    return state.name in _user_error_names()
+
+
+def transient(task, task_run, state) -> bool:
+    """Retry only what may pass next time (I/O, preemption, a crashed server) — not bad data, a bad
+    config or a failed gate, which would fail the same way again."""
+    return not is_user_error(state)
+
+
+stage_task = dict(retries=1, retry_delay_seconds=5, retry_condition_fn=transient, persist_result=True,
+                  result_serializer="json")
 
 
 @task(name="data", cache_key_fn=_prefect_key("data"), **stage_task)
+@fails_cleanly
 def data_task(cfg: dict) -> dict:
     """Generate the embedded data (or validate the user's files)."""
     from data.prepare import prepare_data
@@ -78,6 +111,7 @@ def data_task(cfg: dict) -> dict:
 
 
 @task(name="tokenizer", cache_key_fn=_prefect_key("tokenizer"), **stage_task)
+@fails_cleanly
 def tokenizer_task(cfg: dict, data: dict) -> dict:
     """Train the sentencepiece BPE tokenizer, or take the base model's."""
     from data.prepare import prepare_tokenizer
@@ -87,6 +121,7 @@ def tokenizer_task(cfg: dict, data: dict) -> dict:
 
 
 @task(name="pretrain", cache_key_fn=_prefect_key("pretrain"), **stage_task)
+@fails_cleanly
 def pretrain_task(cfg: dict, tokenizer: dict, data: dict) -> dict:
     """Pretrain the decoder from scratch."""
     from engine.stages import pretrain
@@ -95,6 +130,7 @@ def pretrain_task(cfg: dict, tokenizer: dict, data: dict) -> dict:
 
 
 @task(name="import_base", cache_key_fn=_prefect_key("import_base"), **stage_task)
+@fails_cleanly
 def import_base_task(cfg: dict) -> dict:
     """Load a local Hugging Face base model instead of pretraining."""
     from engine.stages import import_base
@@ -102,6 +138,7 @@ def import_base_task(cfg: dict) -> dict:
 
 
 @task(name="sft", cache_key_fn=_prefect_key("sft"), **stage_task)
+@fails_cleanly
 def sft_task(cfg: dict, base: dict, tokenizer: dict, data: dict) -> dict:
     """LoRA supervised fine-tuning on assistant tokens."""
     from engine.stages import sft
@@ -110,6 +147,7 @@ def sft_task(cfg: dict, base: dict, tokenizer: dict, data: dict) -> dict:
 
 
 @task(name="dpo", cache_key_fn=_prefect_key("dpo"), **stage_task)
+@fails_cleanly
 def dpo_task(cfg: dict, base: dict, sft: dict, tokenizer: dict, data: dict) -> dict:
     """DPO with a fresh LoRA on the SFT-merged model."""
     from engine.stages import dpo
@@ -118,6 +156,7 @@ def dpo_task(cfg: dict, base: dict, sft: dict, tokenizer: dict, data: dict) -> d
 
 
 @task(name="export", cache_key_fn=_prefect_key("export"), **stage_task)
+@fails_cleanly
 def export_task(cfg: dict, base: dict, sft: dict, dpo: dict, tokenizer: dict) -> dict:
     """Write the merged HF model and the PEFT adapters."""
     from export import COMPARE, export
@@ -130,19 +169,8 @@ def export_task(cfg: dict, base: dict, sft: dict, dpo: dict, tokenizer: dict) ->
     return ref
 
 
-def _not_gate_failure(task, task_run, state) -> bool:
-    """Retry a failed server start, never a failed promotion gate (it would fail again)."""
-    from serve.stage import GateFailed
-    try:
-        state.result()
-    except GateFailed:
-        return False
-    except Exception:
-        return True
-    return True
-
-
-@task(name="serve", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=_not_gate_failure)
+@task(name="serve", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=transient)
+@fails_cleanly
 def serve_task(cfg: dict, export: dict) -> dict[str, Any]:
     """Start vLLM on the merged export, ask it the configured prompt, record the answer."""
     from serve.stage import serve

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import artifacts
-from artifacts import ArtifactRef, build, is_complete, read_manifest, ref_for, sha256_file, staging_dir, verify
+from artifacts import ArtifactRef, build, is_complete, read_manifest, ref_for, sha256_file, stage_output, staging_dir, verify
 
 
 def writer(files: dict[str, bytes], metrics=None):
@@ -129,7 +129,7 @@ def test_failing_fn_with_no_previous_artifact_publishes_nothing(tmp_path):
 def test_staging_dir_replaces_existing_artifact(tmp_path):
     final = _built(tmp_path)
     (final / "stale.bin").write_bytes(b"old")
-    with staging_dir(final) as tmp:
+    with staging_dir(final, stage_output("s")) as tmp:
         assert tmp.parent == final.parent.resolve() and tmp.name.startswith(".art.tmp-")
         assert (final / "stale.bin").read_bytes() == b"old"      # the old artifact is served until the swap
         (tmp / "fresh.txt").write_text("new")

@@ -75,7 +75,7 @@ def test_every_row_is_accounted_for_through_reader_cleaner_and_tokeniser(tmp_pat
 
 
 def test_merge_and_as_dict():
-    a, b = CleanReport(rows=10, kept=6, truncated=1), CleanReport(rows=5, kept=0, truncated=2)
+    a, b = CleanReport(rows=10, kept=6, truncated=1, max_examples=5), CleanReport(rows=5, kept=0, truncated=2)
     for i in range(4):
         a.drop("empty", f"a{i}")
         b.drop("empty", f"b{i}")

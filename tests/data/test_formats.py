@@ -135,11 +135,15 @@ def test_skip_counts_bad_rows_and_keeps_the_good(tmp_path, reader, bad, field, w
 
 def test_skip_counts_every_bad_row_and_caps_examples(tmp_path):
     bad = ["{oops", b"\xff", {"conversations": []}, {"x": 1}, {"instruction": "i"}, "[]", {"messages": "m"}]
-    report = CleanReport()
+    report = CleanReport(max_examples=5)
     path = write(tmp_path, bad + [{"instruction": "i", "output": "o"}])
     assert len(list(read_sft(path, on_bad_row="skip", report=report))) == 2
     assert report.dropped == {"bad_row": 7} and report.rows == 9
     assert [e.split(": ")[0] for e in report.examples["bad_row"]] == [f"{path}:{n}" for n in range(3, 8)]
+    default, off = CleanReport(), CleanReport(max_examples=0)   # data.report_examples: 3 by default; 0 = off
+    for r in (default, off):
+        assert len(list(read_sft(path, on_bad_row="skip", report=r))) == 2 and r.dropped == {"bad_row": 7}
+    assert len(default.examples["bad_row"]) == 3 and off.examples == {} and off.as_dict()["examples"] == {}
 
 
 def test_bad_policy_is_rejected_up_front(tmp_path):

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from configs.errors import UserError
+
 from data.formats import read_dpo, read_pretrain, read_sft
 from data.synthetic import TASK_FAMILIES, UNITS, check_answer, generate
 
@@ -153,5 +155,5 @@ def test_sft_weights_set_the_mix_and_leave_the_eval_sets_alone(tmp_path):
     assert set(count(plain["sft"]).values()) == {30}
     assert count(heavy["sft"])["add_en"] == 75 and count(heavy["sft"])["sub_en"] == 25
     assert plain["sft_eval"].read_bytes() == heavy["sft_eval"].read_bytes()
-    with pytest.raises(ValueError, match="unknown task families"):
+    with pytest.raises(UserError, match="unknown task families"):
         synthetic.generate(tmp_path / "c", n_pretrain=20, n_sft=10, n_dpo=5, n_eval=10, sft_weights={"mul_en": 1})

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import engine.checkpoint as ckpt_mod
-from engine.checkpoint import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError, CheckpointManager,
+from engine.checkpoint import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError, CheckpointManager, CheckpointUnusable,
                                capture_rng, config_diff, restore_rng)
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
@@ -266,7 +266,9 @@ def test_missing_manifest_and_nothing_valid(tmp_path, caplog):
         save(mgr, 1, m, opt)
     (tmp_path / "step-00000001" / MANIFEST).unlink()
     with caplog.at_level(logging.WARNING, logger="glm_lora.checkpoint"):
-        assert CheckpointManager(tmp_path).latest() is None
+        # Checkpoints exist but none verifies: starting over would overwrite them (and the best weights).
+        with pytest.raises(CheckpointUnusable, match=r"none of the 1 checkpoints .*manifest.json: missing"):
+            CheckpointManager(tmp_path).latest()
     assert "manifest.json: missing" in caplog.text
     assert CheckpointManager(tmp_path / "empty").latest() is None
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.losses as losses
+from configs.errors import UserError
 from configs.schema import TrainConfig
 from engine.losses import DPOLoss, causal_lm_loss, group_logprobs
 from engine.optim import build_optimizer, lr_at
@@ -235,7 +236,7 @@ def test_runtime_resolve(monkeypatch):
     rt = Runtime.resolve("auto", "auto")
     assert rt.device.type == "cpu" and rt.dtype == torch.float32
     assert Runtime.resolve("cpu", "bf16").dtype == torch.bfloat16
-    with pytest.raises(RuntimeError, match="device=cuda"):
+    with pytest.raises(UserError, match="device=cuda"):
         Runtime.resolve("cuda", "auto")
 
 

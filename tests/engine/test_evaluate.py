@@ -7,6 +7,7 @@ greedy decode, packing, loss heads) and only the "weights" are made up.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,8 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from configs.schema import Config
 from data.cleaning import CleanReport
-from data.formats import read_dpo
+from data.formats import DataError, read_dpo
+from data.prepare import prepare_data
 from data.synthetic import TASK_FAMILIES, generate
 from data.tokenize import lm_examples
 from data.tokenizer import load_tokenizer, train_tokenizer
@@ -24,6 +27,7 @@ from engine.evaluate import (
     compare_prompts, greedy_answers, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate,
     task_metrics,
 )
+from engine import stages
 from engine.losses import DPOLoss
 from model import Decoder, DecoderConfig, inject_lora
 
@@ -294,3 +298,81 @@ def test_read_task_rows_defaults_family(tmp_path):
     rows = read_task_rows(path)
     assert [r["task"] for r in rows] == ["all", "echo"]
     assert rows[0]["conversations"][-1] == {"role": "assistant", "content": "hi"}
+
+
+# ---------------------------------------------------------------- bad rows and long rows in held-out files
+
+def test_read_task_rows_honours_on_bad_row(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    good = {"conversations": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    path.write_text("\n".join([json.dumps({**good, "task": "echo"}), '{"conversations": [', json.dumps(good),
+                               json.dumps({"text": "x" * 5000}), json.dumps({**good, "task": ["odd"]}),
+                               json.dumps({**good, "task": "echo"})]) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:2: invalid JSON"):
+        read_task_rows(path)
+    report = CleanReport()
+    rows = read_task_rows(path, on_bad_row="skip", report=report, max_line_bytes=4096)
+    assert [r["task"] for r in rows] == ["echo", "all", "['odd']", "echo"]
+    assert report.dropped == {"bad_row": 2} and report.rows == 6
+    assert "line longer than data.max_line_bytes (4 KiB)" in report.examples["bad_row"][1]
+    report = CleanReport()
+    assert len(read_task_rows(path, limit=2, on_bad_row="skip", report=report)) == 2   # limit counts good rows
+    assert report.rows == 3
+
+
+def test_greedy_answers_cut_a_huge_prompt_to_what_the_model_sees(tok):
+    """generate() crops the prompt to its last max_seq_len tokens, so a prompt is cut (keeping its end)
+    before tokenising: the answer is the one the whole prompt gets."""
+    model = tiny_decoder(tok, max_seq_len=40).eval()
+    huge = [{"role": "system", "content": "s" * 50_000},
+            {"role": "user", "content": "The sky is blue. 天空是蓝色的。\n" * 3000 + "Reverse the word cat."}]
+    got = greedy_answers(model, tok, [huge], max_new_tokens=5)
+    want = tok.decode(model.generate(prompt_ids(tok, huge), 5, eos_id=tok.eos_token_id), skip_special_tokens=True)
+    assert got == [want]
+
+
+@pytest.fixture(scope="module")
+def eval_data(tmp_path_factory, files):
+    """A data artifact whose held-out splits are user files with bad rows in them."""
+    root = tmp_path_factory.mktemp("user")
+    bad_json, long_line = "{oops", json.dumps({"text": "x" * 5000})
+    splits = {}
+    for split in ("pretrain_eval", "sft_eval", "dpo_eval"):
+        lines = files[split].read_text().splitlines()[:6]
+        splits[split] = root / f"{split}.jsonl"
+        splits[split].write_text("\n".join(lines[:2] + [bad_json] + lines[2:4] + [long_line] + lines[4:]) + "\n")
+    return splits
+
+
+def _eval_config(splits: dict, on_bad_row: str) -> Config:
+    return Config.model_validate({
+        "device": "cpu", "serve": {"enabled": False},
+        "model": {"hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "num_layers": 1, "intermediate_size": 64,
+                  "max_seq_len": 128},
+        "pretrain": {"seq_len": 64}, "sft": {"seq_len": 64}, "dpo": {"seq_len": 128},
+        "eval": {"max_rows": 50, "max_new_tokens": 4},
+        "data": {**{k: str(v) for k, v in splits.items()}, "on_bad_row": on_bad_row, "max_line_bytes": 4096,
+                 "synthetic": {"n_pretrain": 20, "n_sft": 10, "n_dpo": 10, "n_eval": 5}}})
+
+
+def test_eval_counts_bad_rows_instead_of_failing_with_skip(tok, eval_data, tmp_path):
+    cfg = _eval_config(eval_data, "skip")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    prepare_data(cfg.data, data_dir)
+    model = tiny_decoder(tok)
+    inject_lora(model, ["q_proj", "v_proj"], r=2, alpha=4)
+    lm = stages.eval_lm(cfg, model, tok, data_dir)
+    assert lm["bad_rows_pretrain_eval"] == 2 and lm["documents"] >= 6 and math.isfinite(lm["loss"])
+    tasks = stages.eval_tasks(cfg, model, tok, data_dir)
+    assert tasks["bad_rows_sft_eval"] == 2 and tasks["n"] == 6
+    prefs = stages.eval_preferences(cfg, model, tok, data_dir)
+    assert (prefs["bad_rows_dpo_eval"], prefs["bad_rows_sft_eval"], prefs["n"]) == (2, 2, 6)
+
+
+def test_a_bad_eval_row_is_rejected_by_the_data_stage_with_on_bad_row_error(eval_data, tmp_path):
+    """With on_bad_row: error the data stage reads every split, held-out ones included: a bad eval row
+    stops the flow before any training."""
+    cfg = _eval_config(eval_data, "error")
+    with pytest.raises(DataError, match=rf"^{eval_data['pretrain_eval']}:3: invalid JSON"):
+        prepare_data(cfg.data, tmp_path)

@@ -26,7 +26,7 @@ SMALL = {
     "model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 2, "model.num_kv_heads": 1,
     "model.intermediate_size": 128, "model.max_seq_len": 64,
     "pretrain.max_steps": STEPS, "pretrain.batch_size": 4, "pretrain.seq_len": 64, "pretrain.log_every": 4,
-    "pretrain.warmup_steps": 2, "checkpoint.save_every": 2, "checkpoint.save_optimizer_every": 2,
+    "pretrain.warmup_steps": 2, "sft.seq_len": 64, "dpo.seq_len": 64, "checkpoint.save_every": 2, "checkpoint.save_optimizer_every": 2,
     "checkpoint.keep_last": 2,
 }
 

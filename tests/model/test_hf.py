@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from model import Decoder, DecoderConfig
-from model.hf import (decoder_config_from_hf, hf_config_dict, hf_weight_map, load_hf, load_native,
+from model.hf import (BaseModelError, decoder_config_from_hf, hf_config_dict, hf_weight_map, load_hf, load_native,
                       save_hf, save_native)
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
@@ -162,7 +162,7 @@ def test_load_hf_refuses_unsupported_layouts(tmp_path, changes, words):
 
 
 def test_load_hf_needs_config_json(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(BaseModelError, match="no config.json"):
         load_hf(tmp_path)
 
 
@@ -185,7 +185,7 @@ def test_refuses_bin_only_dir_without_unpickling(tmp_path, monkeypatch):
     def no_torch_load(*a, **k):
         raise AssertionError("torch.load must never be called on user weights")
     monkeypatch.setattr(torch, "load", no_torch_load)
-    with pytest.raises(FileNotFoundError) as e:
+    with pytest.raises(BaseModelError) as e:
         load_hf(path)
     assert "no *.safetensors" in str(e.value) and ".bin" in str(e.value)
     assert not marker.exists()
@@ -197,7 +197,7 @@ def test_missing_weight_is_named(tmp_path):
     state = load_file(path / "model.safetensors")
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, path / "model.safetensors")
-    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(BaseModelError, match="model.layers.1.mlp.up_proj.weight"):
         load_hf(path)
 
 

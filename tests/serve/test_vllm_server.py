@@ -1,21 +1,29 @@
 """End to end: a tiny random Llama (and Qwen3: Llama + q/k norm, our `qk_norm`) + our tokenizer
-+ a PEFT adapter served by vLLM (CPU).
++ a PEFT adapter served by vLLM (CPU), started by the serve stage with an API key.
 
 One server start serves both the base model and the adapter; vLLM's greedy answers
-must equal transformers' (and transformers + PEFT's) token for token in fp32.
+must equal transformers' (and transformers + PEFT's) token for token in fp32. The same
+server shows the API key at work: refused without it, never written to a file, a log or argv.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import random
+import secrets
 import socket
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from configs.schema import Config
 from data.tokenizer import IM_END, load_tokenizer, train_tokenizer
+from serve import stage
 from serve import vllm_server as vs
 
 try:
@@ -28,6 +36,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(_missing), reason=_missi
 
 MAX_TOKENS = 24
 MESSAGES = [{"role": "user", "content": "reverse hello 你好"}]
+KEY_ENV = "GLM_LORA_TEST_VLLM_KEY"
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -61,8 +70,8 @@ def _build(tmp: Path, arch: str):
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     config = config_cls(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        head_dim=32,  # vLLM CPU attention has no kernel for 64 / 4 = 16
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        head_dim=32,  # = 64 / 2: the serve stage loads it into our decoder (Qwen3Config defaults to 128); vLLM CPU has kernels for 32, not 16
         tie_word_embeddings=False, initializer_range=0.1,  # decisive logits: no near-ties between backends
         bos_token_id=tok.bos_token_id, eos_token_id=im_end, pad_token_id=tok.pad_token_id,
         torch_dtype="float32",
@@ -107,15 +116,40 @@ def _no_bytes(tok) -> dict:
     return {"logit_bias": {str(i): -100 for i in _byte_ids(tok)}}
 
 
-def _vllm_greedy(handle: vs.ServerHandle, model: str, tok) -> tuple[list[int], str]:
+def _vllm_greedy(handle: vs.ServerHandle, model: str, tok, api_key: str) -> tuple[list[int], str]:
     body = {"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
             **_no_bytes(tok)}
-    choice = vs.post_json(handle, "/v1/chat/completions", body)["choices"][0]
+    choice = vs.post_json(handle, "/v1/chat/completions", body, api_key=api_key)["choices"][0]
     return choice["token_ids"], choice["message"]["content"]
 
 
+def _status(handle: vs.ServerHandle, path: str, body: dict | None = None, api_key: str | None = None) -> int:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(handle.base_url + path, None if body is None else json.dumps(body).encode(), headers)
+    try:
+        with vs._LOCAL.open(req, timeout=120) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _serve_stage(tmp_path: Path, model_dir: Path, adapter_dir: Path, monkeypatch) -> tuple[Config, dict]:
+    """Run the real serve stage on model_dir as the export's merged model, the key in $KEY_ENV; the
+    server also gets the adapter (the stage serves no adapters) and keeps running."""
+    export_dir = tmp_path / "export"
+    export_dir.mkdir()
+    (export_dir / "merged").symlink_to(model_dir)
+    (export_dir / "manifest.json").write_text(json.dumps({"metrics": {"eval": {}}}))
+    monkeypatch.setattr(stage, "start_server", functools.partial(vs.start_server, lora_modules={"tiny-lora": adapter_dir}))
+    cfg = Config(run_name="tiny", runs_dir=tmp_path / "runs",
+                 serve={"port": _free_port(), "api_key_env": KEY_ENV, "keep_running": True, "max_tokens": 8})
+    out_dir = cfg.stage_dir("serve")
+    out_dir.mkdir(parents=True)
+    return cfg, stage.serve(cfg, export_dir, out_dir)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_vllm_serves_base_and_lora_like_transformers(tmp_path: Path, arch: str) -> None:
+def test_vllm_serves_base_and_lora_like_transformers(tmp_path: Path, arch: str, monkeypatch, caplog) -> None:
     t0 = time.monotonic()
     tok, peft_model, model_dir, adapter_dir = _build(tmp_path, arch)
     with peft_model.disable_adapter():
@@ -124,19 +158,44 @@ def test_vllm_serves_base_and_lora_like_transformers(tmp_path: Path, arch: str) 
     assert base_ids != lora_ids, "the adapter should change the greedy answer"
     print(f"\nbuild + HF reference: {time.monotonic() - t0:.1f}s; base {len(base_ids)} tokens, lora {len(lora_ids)}")
 
-    handle = vs.start_server(
-        model_dir, port=_free_port(), served_model_name="tiny", lora_modules={"tiny-lora": adapter_dir},
-        log_path=tmp_path / "vllm.log",
-    )
+    key = "glm-lora-test-" + secrets.token_urlsafe(24)
+    monkeypatch.setenv(KEY_ENV, key)
+    t1 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="glm_lora"):
+        cfg, result = _serve_stage(tmp_path, model_dir, adapter_dir, monkeypatch)
+    record = json.loads((cfg.stage_dir("serve") / "server.json").read_text())
+    handle = vs.ServerHandle(record["pid"], cfg.serve.host, cfg.serve.port, "tiny", record["log"])
     try:
-        print(f"vLLM server ready in {vs.wait_healthy(handle, timeout_s=300):.1f}s (pid {handle.pid})")
+        print(f"serve stage (vLLM ready + answer) in {time.monotonic() - t1:.1f}s (pid {handle.pid}): {result['answer']!r}")
+        assert result["running"] and result["api_key_from"] == f"environment variable {KEY_ENV}"
         im_end = tok.convert_tokens_to_ids(IM_END)
         for name, expected in (("tiny", base_ids), ("tiny-lora", lora_ids)):
-            ids, text = _vllm_greedy(handle, name, tok)
+            ids, text = _vllm_greedy(handle, name, tok, key)
             assert ids == expected, f"{name}: vLLM {ids} != transformers {expected}"
             assert text == tok.decode(expected, skip_special_tokens=True)
             print(f"{name}: {len(ids)} tokens, stopped at <|im_end|>: {ids[-1] == im_end}, text {text!r}")
-        assert vs.chat(handle, MESSAGES, max_tokens=MAX_TOKENS, **_no_bytes(tok)) == tok.decode(base_ids, skip_special_tokens=True)
+        answer = vs.chat(handle, MESSAGES, max_tokens=MAX_TOKENS, api_key=key, **_no_bytes(tok))
+        assert answer == tok.decode(base_ids, skip_special_tokens=True)
+
+        # The key guards every route but /health, /invocations (vLLM leaves it open) included.
+        chat_body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+        for path, body in (("/v1/chat/completions", chat_body), ("/v1/models", None), ("/invocations", chat_body),
+                           ("/tokenize", {"model": "tiny", "prompt": "hello"}), ("/metrics", None)):
+            assert _status(handle, path, body) == 401, path
+            assert _status(handle, path, body, api_key=key[:-1]) == 401, path
+            assert _status(handle, path, body, api_key=key) == 200, path
+        assert _status(handle, "/health") == 200
+        assert {m["id"] for m in vs.get_json(handle, "/v1/models", api_key=key)["data"]} == {"tiny", "tiny-lora"}
+
+        # The key reached vLLM only through its environment: not argv, files or logs.
+        assert Path(f"/proc/{handle.pid}/environ").read_bytes().count(f"VLLM_API_KEY={key}".encode()) == 1
+        for pid in {handle.pid, *vs._group_members(handle.pid)}:
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+        files = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+        assert {"server.json", "answer.json", "serve.log"} <= {p.name for p in files}
+        for p in files:
+            assert key.encode() not in p.read_bytes(), p
+        assert key not in caplog.text and "served" in caplog.text
     finally:
         t1 = time.monotonic()
         vs.stop_server(handle.pid)

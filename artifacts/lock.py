@@ -14,7 +14,6 @@ everything else is removed.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re

@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # vLLM's CPU attention backend supports only these head sizes (a server with another one starts,
 # then dies on the first request).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projection names of every supported layout (gate_up_proj: GLM's fused MLP input). Which of them a
+# model has depends on its layout (model.arch or the base model): checked when LoRA is injected.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+ALL_LINEAR = "all-linear"   # PEFT's term: every linear projection of the layout (not the output head)
 
 
 class Section(BaseModel):
@@ -43,8 +46,20 @@ class SyntheticData(Section):
     sft_weights: dict[str, PositiveFloat] = {}  # task family → share weight in the SFT file (default 1 each)
 
 
+class HoldoutConfig(Section):
+    """Held-out rows taken from your own file for a split without its own `*_eval` path (data/holdout.py)."""
+
+    fraction: float = Field(0.02, ge=0, le=0.2)   # of the split's good rows ...
+    min_rows: int = Field(8, ge=0)                # ... but at least this many (at most eval.max_rows, a fifth of the split)
+    seed: int = 0
+
+
 class DataConfig(Section):
-    """Paths to your own files; any left null comes from the synthetic generator."""
+    """Paths to your own files; any left null comes from the synthetic generator.
+
+    A split you supply without its `*_eval` file is evaluated on rows held out of the same file
+    (`holdout`), never on the synthetic sets; those are used only with synthetic training data.
+    """
 
     synthetic: SyntheticData = SyntheticData()
     pretrain: Path | None = None       # JSONL {"text"} or .txt
@@ -56,11 +71,18 @@ class DataConfig(Section):
     on_bad_row: Literal["error", "skip"] = "error"   # skip: count and report malformed rows
     dedup: bool = False                # drop exact duplicates
     min_tokens: int = Field(2, ge=1)   # drop shorter documents / conversations
-    overlong: Literal["truncate", "drop"] = "truncate"   # SFT/DPO rows longer than seq_len
+    # SFT/DPO rows longer than seq_len: truncate_prompt cuts the prompt from the left (oldest turns, then the
+    # start of the first message) and keeps the last answer whole (an answer too long alone is cut at its end);
+    # truncate cuts the end; drop drops the row.
+    overlong: Literal["truncate_prompt", "truncate", "drop"] = "truncate_prompt"
     # A longer JSONL/.txt line (or JSON array element, or string field of a Parquet/Arrow row) is a
     # bad row naming its place: memory stays bounded however large a row in the file is.
     max_line_bytes: int = Field(8 * 2**20, ge=1024, le=2**31 - 1)
     report_examples: int = Field(3, ge=0, le=100)   # dropped-row messages kept per reason in reports; 0 = none
+    # A split that loses more than this fraction of its rows (any reason: bad_row, empty, duplicate, overlong,
+    # no_target, min_tokens...) fails the stage, with the counts by reason; 1 = never.
+    max_drop_fraction: float = Field(0.2, ge=0.0, le=1.0)
+    holdout: HoldoutConfig = HoldoutConfig()
 
 
 class TokenizerConfig(Section):
@@ -68,8 +90,12 @@ class TokenizerConfig(Section):
 
 
 class ModelConfig(Section):
-    """Decoder shape; maps 1:1 onto transformers' LlamaForCausalLM (see model/hf.py)."""
+    """Decoder shape and layout; maps 1:1 onto the transformers class of `arch` (see model/hf.py)."""
 
+    # Layout, named by HF model_type: llama; qwen2 (+ q/k/v bias); qwen3 (+ per-head q/k RMSNorm, which
+    # bounds attention logits); glm (GlmForCausalLM: q/k/v bias, fused gate_up_proj, GLM's interleaved RoPE
+    # on half of each head); glm4 (Glm4ForCausalLM, GLM-4-0414: glm + a norm after attention and after the MLP).
+    arch: Literal["llama", "qwen2", "qwen3", "glm", "glm4"] = "llama"   # = model/model.py LAYOUTS
     vocab_size: int | None = None      # None: taken from the tokenizer
     hidden_size: int = Field(192, ge=8)
     num_layers: int = Field(3, ge=1)
@@ -80,7 +106,13 @@ class ModelConfig(Section):
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    qk_norm: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _qk_norm_is_arch(cls, data):
+        if isinstance(data, dict) and "qk_norm" in data:
+            raise ValueError("model.qk_norm was replaced by model.arch (qk_norm: true is arch: qwen3)")
+        return data
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -90,6 +122,9 @@ class ModelConfig(Section):
             raise ValueError(f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({self.num_kv_heads})")
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("model.hidden_size / model.num_heads (head dim) must be even for RoPE")
+        if self.arch in ("glm", "glm4") and (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"model.arch {self.arch} rotates pairs in half of each head: model.hidden_size / "
+                             "model.num_heads (head dim) must be divisible by 4")
         return self
 
 
@@ -97,17 +132,22 @@ class LoRAConfig(Section):
     r: int = Field(16, ge=1)
     alpha: float = 32.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = list(LORA_TARGETS)
+    # "all-linear": every linear projection of the model's layout; or names from LORA_TARGETS, which the
+    # model must have (checked at injection: gate_up_proj exists only in GLM layouts, gate_proj/up_proj only in others).
+    target_modules: list[str] | Literal["all-linear"] = ALL_LINEAR
     b_lr_ratio: float = Field(1.0, gt=0)   # LoRA+: B's learning rate = this × lr (1 = plain LoRA)
     # Trained in full beside the adapter and saved with it (PEFT's modules_to_save).
     modules_to_save: list[Literal["embed_tokens", "lm_head"]] = []
 
-    @field_validator("target_modules")
+    @field_validator("target_modules", mode="before")
     @classmethod
-    def _known_targets(cls, targets: list[str]) -> list[str]:
-        bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets:
-            raise ValueError(f"unknown {bad or '(empty)'}; allowed: {list(LORA_TARGETS)}")
+    def _known_targets(cls, targets):
+        if isinstance(targets, str) and targets != ALL_LINEAR:
+            raise ValueError(f"got {targets[:100]!r}; expected {ALL_LINEAR!r} or a list from {list(LORA_TARGETS)}")
+        if isinstance(targets, (list, tuple)):
+            bad = [t for t in targets if t not in LORA_TARGETS]
+            if bad or not targets:
+                raise ValueError(f"unknown {bad or '(empty)'}; allowed: {list(LORA_TARGETS)} or {ALL_LINEAR!r}")
         return targets
 
 
@@ -219,7 +259,7 @@ class Config(Section):
     kernels: Literal["auto", "reference", "triton"] = "auto"       # fused Triton ops or torch: kernels/__init__.py
     attention: Literal["auto", "sdpa", "flex"] = "auto"            # packed-row attention: kernels/__init__.py
     threads: int | None = None                                       # torch CPU threads; None = torch default
-    base_model: Path | None = None    # local HF Llama-family dir: skip tokenizer training + pretrain
+    base_model: Path | None = None    # local HF dir (Llama, Qwen2/3, GLM, GLM-4 layouts): skip tokenizer + pretrain
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()

@@ -12,8 +12,13 @@ keeps a row (the tokeniser) counts it in `kept`; at the end rows == kept + sum(d
 
 Reasons: "bad_row" (a malformed row skipped by a reader, data.formats), "empty" (empty or
 whitespace-only text / assistant answer), "duplicate" (exact repeat of an earlier row, with
-dedup=True), "identical_pair" (DPO chosen == rejected); "min_tokens", "overlong" and the like
-come from the tokenisation step.
+dedup=True), "identical_pair" (DPO chosen == rejected); "min_tokens", "overlong", "no_target",
+"turn_boundary" and "template_error" come from the tokenisation step (data.tokenize). `truncated`
+counts rows whose end (an answer) was cut, `prompt_truncated` rows whose prompt alone was cut from
+the left (data.overlong: truncate_prompt).
+
+`check_drop_fraction` fails a split that lost more than data.max_drop_fraction of its rows, with
+the counts by reason and the settings that would keep them.
 
 Each reason keeps the first `max_examples` messages (data.report_examples; 0 = none), each cut to
 EXAMPLE_CHARS, so a 20 MB row never reaches a manifest or a Prefect artifact.
@@ -43,6 +48,8 @@ class CleanReport:
     `rows`: counted by the readers in data.formats (every row read, good or bad).
     `kept`: counted by the last stage, the one that keeps a row for good.
     `max_examples`: messages kept per reason in `examples` (0: none), each cut to EXAMPLE_CHARS.
+    `truncated`: kept rows whose end was cut; `prompt_truncated`: kept rows whose prompt alone was cut
+    from the left, the answer whole (in as_dict / str only when non-zero).
     """
 
     rows: int = 0
@@ -51,6 +58,7 @@ class CleanReport:
     truncated: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
     max_examples: int = MAX_EXAMPLES
+    prompt_truncated: int = 0
 
     def __post_init__(self) -> None:
         if self.max_examples < 0:
@@ -75,6 +83,7 @@ class CleanReport:
         self.rows += other.rows
         self.kept += other.kept
         self.truncated += other.truncated
+        self.prompt_truncated += other.prompt_truncated
         for reason, n in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + n
         for reason, messages in other.examples.items():
@@ -84,11 +93,68 @@ class CleanReport:
     def as_dict(self) -> dict:
         """JSON-able, for metrics, manifests and Prefect artifacts."""
         return {"rows": self.rows, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
-                "truncated": self.truncated, "examples": {k: list(v) for k, v in sorted(self.examples.items())}}
+                "truncated": self.truncated,
+                **({"prompt_truncated": self.prompt_truncated} if self.prompt_truncated else {}),
+                "examples": {k: list(v) for k, v in sorted(self.examples.items())}}
 
     def __str__(self) -> str:
         drops = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
-        return f"kept {self.kept} of {self.rows} rows; dropped: {drops}; truncated {self.truncated}"
+        cut = f"; prompt cut {self.prompt_truncated}" if self.prompt_truncated else ""
+        return f"kept {self.kept} of {self.rows} rows; dropped: {drops}; truncated {self.truncated}{cut}"
+
+    def check_drop_fraction(self, split: str, limit: float, *, seq_len: str | None = None, hint: str = "") -> None:
+        """Raise DataError if more than `limit` of the rows read were dropped (see check_drop_fraction)."""
+        check_drop_fraction(self.as_dict(), split, limit, seq_len=seq_len, hint=hint)
+
+
+# What would keep the rows dropped for each reason ({seq_len}: e.g. "sft.seq_len (128)").
+_FIXES = {
+    "bad_row": "fix the malformed rows (data.on_bad_row: error stops at the first one, naming file, line and field)",
+    "empty": "the rows have empty text or an empty assistant answer",
+    "duplicate": "the split repeats rows: set data.dedup: false to keep repeats",
+    "identical_pair": "chosen and rejected are the same answer in these pairs",
+    "overlong": "raise {seq_len}, or set data.overlong: truncate_prompt (cuts the prompt's start, keeps the answer)",
+    "no_target": "raise {seq_len}, or set data.overlong: truncate_prompt (no answer token was left within the "
+                 "length limit)",
+    "min_tokens": "lower data.min_tokens",
+    "turn_boundary": "these multi-turn rows tokenise differently turn by turn with this tokenizer: split them into "
+                     "one assistant answer per row",
+    "template_error": "the chat template rejects these conversations (e.g. roles must alternate): fix their roles",
+}
+
+
+def check_drop_fraction(report: "CleanReport | dict", split: str, limit: float, *, seq_len: str | None = None,
+                        hint: str = "") -> None:
+    """Fail (DataError) when more than `limit` (data.max_drop_fraction) of a split's rows were dropped, for
+    any reason; the message gives the counts by reason, an example of each and what would keep them.
+
+    `report`: a CleanReport or its as_dict() (a cached token store's meta["clean"]); `seq_len`: the
+    length setting the split was fitted to, e.g. "dpo.seq_len (256)"; `hint`: appended to the fixes.
+    """
+    from data.formats import DataError   # (data.formats imports this module)
+
+    d = report.as_dict() if isinstance(report, CleanReport) else dict(report or {})
+    dropped = {k: int(v) for k, v in (d.get("dropped") or {}).items() if v}
+    lost, kept = sum(dropped.values()), int(d.get("kept", 0))
+    # The rows judged: kept + dropped once the tokeniser has counted what it keeps (rows held out of
+    # the split for evaluation are read but neither); the rows read when nothing was kept yet (the
+    # data stage's readers, which only drop bad rows).
+    rows = kept + lost if kept else int(d.get("rows", 0))
+    if rows <= 0 or lost <= limit * rows:
+        return
+    by_reason = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])))
+    examples = d.get("examples") or {}
+    shown = "; ".join(f"{k}: {examples[k][0]}" for k in sorted(dropped, key=lambda k: -dropped[k])
+                      if examples.get(k))
+    where = seq_len or "the stage's seq_len"
+    fixes = [_FIXES.get(k, f"see the {k!r} examples").format(seq_len=where)
+             for k in sorted(dropped, key=lambda k: -dropped[k])]
+    if hint:
+        fixes.append(hint)
+    fixes.append(f"or allow it with data.max_drop_fraction (now {limit:g}; 1 turns this check off)")
+    raise DataError(f"data.{split}: {lost} of {rows} rows were dropped ({lost / rows:.1%}), more than "
+                    f"data.max_drop_fraction ({limit:g}): {by_reason}" + (f" (e.g. {shown})" if shown else "")
+                    + ". To keep them: " + "; ".join(dict.fromkeys(fixes)))
 
 
 def _digest(value) -> bytes:

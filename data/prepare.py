@@ -12,6 +12,7 @@ from configs.schema import DataConfig
 from data import formats, synthetic
 from data.cleaning import CleanReport
 from data.formats import MAX_LINE_BYTES, DataError
+from data.holdout import holdout_ids, write_held_out
 from data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
@@ -49,11 +50,13 @@ def base_tokenizer_files(base_model: Path) -> list[str]:
     return found
 
 
-def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
+def prepare_data(cfg: DataConfig, out_dir: Path, *, eval_rows: int = 200) -> dict:
     """Generate the synthetic splits the user didn't supply; validate every split by reading it.
 
     User files stay where they are; `sources.json` records each split's path, sha256 and the
     cleaning settings, so the artifact digest changes whenever a user file or a setting does.
+    A user split without its own `*_eval` file gets rows held out of the same file (data/holdout.py,
+    at most `eval_rows`), written into the artifact and excluded from training.
     With on_bad_row=skip, malformed rows are counted per split (nothing is dropped silently).
     """
     out_dir = Path(out_dir)
@@ -67,21 +70,52 @@ def prepare_data(cfg: DataConfig, out_dir: Path) -> dict:
             generated.pop(s, None)
             (out_dir / f"{s}.jsonl").unlink(missing_ok=True)
     sources, metrics = {}, {}
-    for split, reader in SPLITS.items():
+    read_settings = {"on_bad_row": cfg.on_bad_row, "max_line_bytes": cfg.max_line_bytes}
+    for split, reader in SPLITS.items():     # each training split before its eval split
+        base = split.removesuffix("_eval")
+        held_out = split != base and base in user and split not in user
+        if held_out:
+            ids = holdout_ids(sources[base]["good_rows"], cfg.holdout, eval_rows, split)
+            if not ids:
+                raise DataError(f"data.{base}: {user[base]} has {sources[base]['good_rows']} usable rows, too few to "
+                                f"hold out an evaluation set (data.holdout); give data.{split} a file of its own")
+            generated[split] = out_dir / f"{split}.jsonl"
+            rows = reader(user[base], report=CleanReport(max_examples=0), **{**read_settings, "on_bad_row": "skip"})
+            write_held_out(rows, ids, base, generated[split])
+            sources[base]["held_out"] = {"split": split, "rows": len(ids), "ids": ids}
+            metrics[f"held_out_{base}"] = len(ids)
         path = user[split] if split in user else Path(generated[split]).resolve()
         report = CleanReport(max_examples=cfg.report_examples)
-        good = sum(1 for _ in reader(path, on_bad_row=cfg.on_bad_row, report=report,
-                                     max_line_bytes=cfg.max_line_bytes))
+        good = sum(1 for _ in reader(path, report=report, **read_settings))
         if good == 0:
             raise DataError(f"data.{split}: {path} has no usable rows ({report})")
+        report.check_drop_fraction(split, cfg.max_drop_fraction)
         sources[split] = {"path": path.name if split not in user else str(path), "sha256": sha256_path(path),
-                          "rows": report.rows, "bad_rows": report.dropped.get("bad_row", 0), "user": split in user}
+                          "rows": report.rows, "good_rows": good, "bad_rows": report.dropped.get("bad_row", 0),
+                          "user": split in user}
+        if held_out:
+            sources[split]["held_out_from"] = {"split": base, "path": str(user[base]), "sha256": sources[base]["sha256"]}
         metrics[f"rows_{split}"] = report.rows
         if report.dropped:
             metrics[f"bad_rows_{split}"] = report.dropped.get("bad_row", 0)
     settings = {k: getattr(cfg, k) for k in ("on_bad_row", "dedup", "min_tokens", "overlong", "max_line_bytes")}
     (out_dir / SOURCES).write_text(json.dumps({"splits": sources, "cleaning": settings}, indent=2))
     return metrics
+
+
+def held_out_ids(data_dir: Path, split: str) -> list[int]:
+    """Row ids (reading order) of `split` that the data stage held out for evaluation: not for training."""
+    entry = json.loads((Path(data_dir) / SOURCES).read_text())["splits"][split]
+    return entry.get("held_out", {}).get("ids", [])
+
+
+def split_provenance(data_dir: Path, split: str, rows: int | None = None) -> dict:
+    """Where an eval split's rows came from, recorded beside every metric computed on them."""
+    entry = json.loads((Path(data_dir) / SOURCES).read_text())["splits"][split]
+    origin = entry.get("held_out_from")
+    source = ("held out of " + origin["path"]) if origin else entry["path"] if entry["user"] else "synthetic"
+    return {"split": split, "source": source, "user_data": bool(entry["user"] or origin),
+            "sha256": entry["sha256"], "rows": entry["good_rows"] if rows is None else rows}
 
 
 def split_source(data_dir: Path, split: str) -> tuple[Path, str]:

@@ -1,8 +1,12 @@
 """Tokenise a split once into a memory-mapped TokenStore, applying the token-level cleaning rules.
 
 Pretraining documents longer than seq_len are split into seq_len chunks (each its own
-document); SFT conversations and DPO pairs are truncated or dropped per `overlong`. Every
-dropped row is counted by reason in the CleanReport stored with the tokens.
+document); SFT conversations and DPO pairs longer than their limit are handled per `overlong`
+(data.overlong): "truncate_prompt" (default) cuts the prompt from the left (oldest turns, then the
+start of the first remaining message) and keeps the last answer whole, falling back to cutting the
+answer's end when the answer alone does not fit; "truncate" cuts the end; "drop" drops the row.
+Every dropped row is counted by reason in the CleanReport stored with the tokens, and
+`check_drop_fraction` (data.cleaning) fails a split that lost more than data.max_drop_fraction.
 
 Memory stays bounded whatever a row's length (a 50 MB string costs ~9 GB inside a fast
 tokenizer): documents are tokenised in batches of at most BATCH_CHARS characters, a document
@@ -21,9 +25,10 @@ from typing import Iterable, Iterator
 from artifacts import sha256_file
 from data.cleaning import CleanReport
 from data.token_store import TokenStore, cached_token_store
-from data.tokenizer import tokenize_chat
+from data.tokenizer import ChatRowError, chat_tokens, prompt_ids, tokenize_chat
 
 IGNORE = -100
+OVERLONG = ("truncate_prompt", "truncate", "drop")   # data.overlong
 Example = tuple[list[int], list[int]]
 BATCH_CHARS = 1 << 20     # characters tokenised in one call (several documents)
 SEGMENT_CHARS = 1 << 20   # a longer pretraining document is tokenised a segment at a time
@@ -68,6 +73,7 @@ def cut_messages(tok, messages: list[dict], tokens: int, keep: str = "head") -> 
     For a conversation truncated to its first `tokens` tokens (keep="head"; or cropped to its last
     ones, keep="tail") the cut changes nothing: a message that long alone makes it longer than the
     limit before and after the cut, and the kept tokens come from text the cut leaves alone.
+    (truncate_prompt cuts the prompt's messages with keep="tail" and the answer with keep="head".)
     """
     limit = usable_chars(tok, tokens)
     if all(len(m["content"]) <= limit for m in messages):
@@ -163,17 +169,121 @@ def _fit(example: Example, limit: int, overlong: str, report: CleanReport) -> Ex
             return None
         ids, labels = ids[:limit], labels[:limit]
         report.truncated += 1
+    return _has_target(ids, labels, report)
+
+
+def _has_target(ids: list[int], labels: list[int], report: CleanReport) -> Example | None:
     if all(lab == IGNORE for lab in labels[1:]):
         report.drop("no_target", "no assistant token within the length limit")
         return None
     return ids, labels
 
 
+def _leading_chars(tok, text: str, n: int) -> int:
+    """How many characters of `text` its first `n` tokens (tokenised alone) cover; at least 1."""
+    try:
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, TypeError, ValueError, KeyError):   # a slow tokenizer: estimate by length
+        offsets = None
+    if offsets:
+        cut = offsets[n][0] if n < len(offsets) else len(text)
+    else:
+        cut = len(text) * n // max(1, len(tok(text, add_special_tokens=False)["input_ids"]))
+    return max(cut, 1)
+
+
+def _cut_content_start(tok, msgs: list[dict], i: int, budget: int, length: int,
+                       keep_min: int) -> tuple[list[dict], int]:
+    """msgs with message i's content cut from its start until the prompt has at most `budget` tokens or
+    `keep_min` characters are left; returns them and the prompt's length."""
+    while length > budget and len(msgs[i]["content"]) > keep_min:
+        text = msgs[i]["content"]
+        cut = min(_leading_chars(tok, text, length - budget), len(text) - keep_min)
+        msgs = msgs[:i] + [{**msgs[i], "content": text[cut:]}] + msgs[i + 1:]
+        length = len(prompt_ids(tok, msgs))
+    return msgs, length
+
+
+def left_cut_prompt(tok, prompt: list[dict], budget: int) -> tuple[list[dict], bool]:
+    """`prompt` cut from the left until apply_chat_template(prompt, add_generation_prompt=True) has at
+    most `budget` tokens: first whole turns, oldest first (a turn starts at a user message; leading
+    system messages stay), then the start of the first remaining message's content (down to one
+    character), then the start of the system messages' contents. Returns (messages, True), or the most
+    cut prompt and False when even that is longer than `budget`."""
+    length = len(prompt_ids(tok, prompt))
+    if length <= budget:
+        return prompt, True
+    head = next((i for i, m in enumerate(prompt) if m["role"] != "system"), len(prompt))
+    system, body = prompt[:head], prompt[head:]
+    starts = [i for i, m in enumerate(body) if i > 0 and m["role"] == "user"]
+    lo, hi = 0, len(starts)        # the first start that fits is in starts[lo:hi] (or none: hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(prompt_ids(tok, system + body[starts[mid]:])) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo < len(starts):
+        return system + body[starts[lo]:], True
+    msgs = system + (body[starts[-1]:] if starts else body)
+    length = len(prompt_ids(tok, msgs))
+    # The first remaining message keeps at least a character (a template may drop an empty message, and
+    # with it the turn); then the system messages' contents, which may go.
+    for i, keep_min in [(head, 1)] * (head < len(msgs)) + [(i, 0) for i in range(head)]:
+        msgs, length = _cut_content_start(tok, msgs, i, budget, length, keep_min)
+        if length <= budget:
+            return msgs, True
+    return msgs, False
+
+
+def _prompt_fits(tok, prompt: list[dict], answers: list[dict], limit: int,
+                 report: CleanReport) -> list[Example] | None:
+    """overlong="truncate_prompt": prompt + each answer within `limit`, all with the same (left-cut) prompt.
+
+    The answers stay whole when a prompt cut from the left leaves room for the longest; else the prompt is
+    cut to at most limit // 2 tokens and each sequence cut at `limit` (counted in `truncated`). A cut
+    prompt alone is counted in `prompt_truncated`. None (counted) if no answer token is left."""
+    prompt = cut_messages(tok, prompt, limit, keep="tail")
+    answers = [cut_messages(tok, [a], limit, keep="head")[0] for a in answers]
+    full = [chat_tokens(tok, prompt + [a]) for a in answers]
+    if all(len(ids) <= limit for ids, _, _ in full):
+        out = [(ids, labels) for ids, labels, _ in full]
+    else:
+        need = max(len(ids) - start for ids, _, start in full)   # the longest answer + its end-of-turn token(s)
+        cut, fits = left_cut_prompt(tok, prompt, limit - need) if need < limit else (prompt, False)
+        if fits:
+            out = [tokenize_chat(tok, cut + [a]) for a in answers]
+            fits = all(len(ids) <= limit for ids, _ in out)
+        if fits:
+            report.prompt_truncated += 1
+        else:   # the answer alone does not fit: keep half the room for the prompt, cut the answers' ends
+            cut, _ = left_cut_prompt(tok, prompt, limit // 2)
+            out = [(ids[:limit], labels[:limit]) for ids, labels in (tokenize_chat(tok, cut + [a]) for a in answers)]
+            report.truncated += 1
+    for ids, labels in out:
+        if _has_target(ids, labels, report) is None:
+            return None
+    return out
+
+
+def _last_answer(messages: list[dict]) -> int:
+    return max((k for k, m in enumerate(messages) if m["role"] == "assistant" and k > 0), default=-1)
+
+
 def sft_examples(conversations: Iterable[list[dict]], tok, *, seq_len: int, overlong: str, min_tokens: int,
                  report: CleanReport) -> Iterator[Example]:
     """Conversations as (ids, labels); a message is cut to what seq_len can use before tokenising."""
+    _check_overlong(overlong)
     for messages in conversations:
-        ex = _fit(tokenize_chat(tok, cut_messages(tok, messages, seq_len)), seq_len, overlong, report)
+        try:
+            if overlong == "truncate_prompt" and (last := _last_answer(messages)) > 0:
+                got = _prompt_fits(tok, messages[:last], [messages[last]], seq_len, report)
+                ex = got[0] if got else None
+            else:
+                ex = _fit(tokenize_chat(tok, cut_messages(tok, messages, seq_len)), seq_len, overlong, report)
+        except ChatRowError as e:
+            report.drop(e.reason, str(e))
+            continue
         if ex is None:
             continue
         if len(ex[0]) < min_tokens:
@@ -185,17 +295,34 @@ def sft_examples(conversations: Iterable[list[dict]], tok, *, seq_len: int, over
 
 def dpo_examples(pairs: Iterable[tuple[list[dict], dict, dict]], tok, *, seq_len: int, overlong: str,
                  report: CleanReport) -> Iterator[Example]:
-    """Chosen then rejected, consecutively; each at most seq_len // 2 so a pair shares a row."""
+    """Chosen then rejected, consecutively; each at most seq_len // 2 so a pair shares a row. With
+    truncate_prompt both keep the same prompt, cut from the left for the longer answer."""
+    _check_overlong(overlong)
     limit = seq_len // 2
     for prompt, chosen, rejected in pairs:
-        c = _fit(tokenize_chat(tok, cut_messages(tok, prompt + [chosen], limit)), limit, overlong, report)
-        r = (_fit(tokenize_chat(tok, cut_messages(tok, prompt + [rejected], limit)), limit, overlong, report)
-             if c else None)
+        try:
+            if overlong == "truncate_prompt":
+                got = _prompt_fits(tok, prompt, [chosen, rejected], limit, report)
+                c, r = got if got else (None, None)
+            else:
+                truncated = report.truncated
+                c = _fit(tokenize_chat(tok, cut_messages(tok, prompt + [chosen], limit)), limit, overlong, report)
+                r = (_fit(tokenize_chat(tok, cut_messages(tok, prompt + [rejected], limit)), limit, overlong, report)
+                     if c else None)
+                report.truncated = min(report.truncated, truncated + 1)   # one row, counted once
+        except ChatRowError as e:
+            report.drop(e.reason, str(e))
+            continue
         if c is None or r is None:
             continue
         report.kept += 1
         yield c
         yield r
+
+
+def _check_overlong(overlong: str) -> None:
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
 
 
 def tokenized(kind: str, data_sha256: str, tokenizer_dir: Path, examples: Iterable[Example], *, cache_root: Path,

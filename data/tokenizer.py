@@ -1,7 +1,10 @@
 """Tokenizer stage: a sentencepiece BPE model saved as Hugging Face tokenizer files.
 
 One place decides the chat format (`CHAT_TEMPLATE`) and the special tokens; training,
-SFT/DPO data and vLLM serving all read them from the saved tokenizer directory.
+SFT/DPO data and vLLM serving all read them from the saved tokenizer directory. A base model's
+tokenizer keeps its own template (GLM-4, Llama-3, ChatML, ...): `tokenize_chat` labels whatever
+the template renders for each answer plus its end-of-turn token, and `end_of_turn_ids` gives the
+tokens generation stops at, both found by rendering the template (`template_info`).
 
 Design choices (see NOTES.md, "Learning on the CPU default"):
 - Every Latin letter, digit and newline is its own token. Plain BPE merges letters
@@ -21,14 +24,16 @@ import json
 import random
 import re
 import string
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import sentencepiece as spm
 
-from configs.errors import UserError
+from configs.errors import UserError, quote
 from data.cleaning import CleanReport
-from data.formats import MAX_LINE_BYTES, read_pretrain
+from data.formats import MAX_LINE_BYTES, DataError, read_pretrain
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -194,27 +199,212 @@ def load_tokenizer(tokenizer_dir: str | Path):  # -> transformers.PreTrainedToke
     return AutoTokenizer.from_pretrained(str(Path(tokenizer_dir).resolve()), local_files_only=True)
 
 
-def tokenize_chat(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids and labels for SFT: labels are IGNORE_INDEX except assistant content + its <|im_end|>.
+class ChatTemplateError(DataError):
+    """The tokenizer's chat template cannot give SFT/DPO labels that match inference: the stage fails."""
 
-    Each assistant turn's prompt is exactly `apply_chat_template(messages[:k],
-    add_generation_prompt=True)`, i.e. what the server feeds at inference; the answer is
-    encoded on its own, as the model generates it. Messages after the last assistant
-    turn carry no loss and are dropped.
+
+class ChatRowError(DataError):
+    """One conversation this template cannot label as it is served; the row is dropped, counted by `reason`."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """What a chat template does around an assistant answer (probed once per tokenizer, `template_info`).
+
+    turn_end: the special token the template puts right after an answer when the conversation goes on
+      (<|im_end|> for ChatML, <|eot_id|> for Llama-3, the next role token <|user|> for GLM-4).
+    last_end: the one it puts after the conversation's final answer, or None where it puts nothing
+      (GLM-4): then the answer's label ends with whatever token the template renders next, and the
+      final answer's with the eos token (as GLM-4's own fine-tuning code does).
+    stop_ids: every token generation must stop at (`end_of_turn_ids`).
     """
-    im_end = tok.convert_tokens_to_ids(IM_END)
+
+    turn_end: int
+    last_end: int | None
+    last_end_text: str | None
+    eos: int | None
+    stop_ids: tuple[int, ...]
+
+
+_PROBE = ("Ping one two", "Pong three four", "Ping five six")   # survive trimming templates (Llama-3)
+_TEMPLATE_INFO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _render(tok, messages: list[dict], generation_prompt: bool) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def _encode(tok, text: str) -> list[int]:
+    """Tokens of `text` exactly as apply_chat_template(tokenize=True) makes them (no automatic bos/eos)."""
+    return tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """What the server feeds for `messages`: apply_chat_template(messages, add_generation_prompt=True)."""
+    return _encode(tok, _render(tok, messages, True))
+
+
+def _is_special(tok, token_id: int) -> bool:
+    added = tok.added_tokens_decoder.get(token_id)
+    return token_id in tok.all_special_ids or bool(added is not None and added.special)
+
+
+def _generation_config_eos(tok) -> list[int]:
+    """eos_token_id of a generation_config.json beside the tokenizer (a base model's own stop tokens)."""
+    name = getattr(tok, "name_or_path", "") or ""
+    path = Path(name) / "generation_config.json" if name else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tok)]
+
+
+def _first_token_after(tok, text: str, what: str) -> tuple[int, str]:
+    ids = _encode(tok, text)
+    if not ids or not _is_special(tok, ids[0]):
+        raise ChatTemplateError(
+            f"chat template: after an assistant answer it renders {quote(text, 80)} ({what}), which does not start "
+            "with a special token; generation could not stop at the end of the turn. Use a template that ends "
+            "each assistant turn with a special token (e.g. <|im_end|>, <|eot_id|>, or GLM-4's next role token)")
+    return ids[0], tok.convert_ids_to_tokens(ids[0])
+
+
+def template_info(tok) -> TemplateInfo:
+    """Probe the chat template with a short conversation; cached per tokenizer (and template text)."""
+    template = tok.chat_template
+    try:
+        cached = _TEMPLATE_INFO.get(tok)
+    except TypeError:
+        cached = None
+    if cached is not None and cached[0] == template:
+        return cached[1]
+    if not template:
+        raise ChatTemplateError("the tokenizer has no chat_template; SFT/DPO need one")
+    q1, a1, q2 = _PROBE
+    user1, answer, user2 = ({"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                            {"role": "user", "content": q2})
+    try:
+        going_on, last = _render(tok, [user1, answer, user2], False), _render(tok, [user1, answer], False)
+    except Exception as e:  # noqa: BLE001 - any template failure is the template's problem here
+        raise ChatTemplateError(f"chat template fails on a plain user/assistant/user conversation: {e}") from None
+    i, j = going_on.find(a1), last.find(a1)
+    if i < 0 or j < 0 or going_on.find(q2, i) < 0:
+        raise ChatTemplateError("chat template does not render the messages' content (probed with a plain "
+                                "user/assistant/user conversation)")
+    turn_end, _ = _first_token_after(tok, going_on[i + len(a1):going_on.find(q2, i)], "before the next user turn")
+    after_last = last[j + len(a1):]
+    last_end, last_end_text = None, None
+    if after_last:
+        first = _encode(tok, after_last)[0]
+        if _is_special(tok, first):
+            last_end, last_end_text = first, tok.convert_ids_to_tokens(first)
+    eos = tok.eos_token_id
+    stops = [turn_end, last_end, eos, *_generation_config_eos(tok)]
+    info = TemplateInfo(turn_end=turn_end, last_end=last_end, last_end_text=last_end_text, eos=eos,
+                        stop_ids=tuple(dict.fromkeys(t for t in stops if t is not None)))
+    try:
+        _TEMPLATE_INFO[tok] = (template, info)
+    except TypeError:
+        pass
+    return info
+
+
+def end_of_turn_ids(tok) -> list[int]:
+    """The token ids generation must stop at for this tokenizer's chat template: the token that ends an
+    assistant turn in it (ChatML <|im_end|>, Llama-3 <|eot_id|>, GLM-4 <|user|>), the tokenizer's eos, and
+    the eos_token_id list of a generation_config.json beside the tokenizer files (a base model's own)."""
+    return list(template_info(tok).stop_ids)
+
+
+def _diverge(a: str, b: str) -> str:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{quote(a[max(0, n - 30):n + 30], 90)} vs {quote(b[max(0, n - 30):n + 30], 90)}"
+
+
+def chat_tokens(tok, messages: list[dict]) -> tuple[list[int], list[int], int]:
+    """`tokenize_chat`'s ids and labels, and where the last labelled answer starts (its prompt's length)."""
+    info = template_info(tok)
     ids: list[int] = []
     labels: list[int] = []
+    text = ""          # the text ids stand for
+    pending = False    # the last answer's end-of-turn is the next token the template renders (GLM-4)
+    start = 0
     for k, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or k == 0:    # an opening assistant message has no prompt: context only
             continue
-        prompt = tok.apply_chat_template(
-            messages[:k], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if prompt[: len(ids)] != ids:
-            raise ValueError(f"turn {k}: chat prompt does not extend the previous turns' tokens")
-        labels += [IGNORE_INDEX] * (len(prompt) - len(ids))
-        answer = tok.encode(message["content"], add_special_tokens=False) + [im_end]
+        try:
+            p_text, f_text = _render(tok, messages[:k], True), _render(tok, messages[:k + 1], False)
+        except Exception as e:  # noqa: BLE001 - e.g. a template's raise_exception on this role order
+            raise ChatRowError("template_error", f"the chat template rejects this conversation: {e}") from None
+        if not p_text.startswith(text):
+            raise ChatTemplateError(
+                f"chat template does not extend: the prompt for the assistant answer at message {k} does not start "
+                f"with the conversation rendered through the previous answer ({_diverge(p_text, text)}); the "
+                "template renders earlier turns differently once more turns follow (e.g. it drops earlier "
+                "reasoning), so one sequence cannot label every turn with the prompt the server feeds. Use one "
+                "assistant answer per row, or a template whose renders extend each other")
+        if not f_text.startswith(p_text):
+            raise ChatTemplateError(
+                f"chat template: its generation prompt (add_generation_prompt=True) is not how it starts the "
+                f"assistant turn at message {k} ({_diverge(f_text, p_text)}); the model would be trained on "
+                "prompts the server never feeds")
+        prompt = _encode(tok, p_text)
+        if prompt[:len(ids)] != ids:
+            raise ChatRowError("turn_boundary", f"message {k}: an earlier answer tokenises differently inside the "
+                                                "conversation than right after its own prompt (its first or last "
+                                                "characters merge with the template text around it), so the prompt "
+                                                "of this turn would not be the one the server feeds")
+        if pending:
+            nxt = prompt[len(ids)] if len(prompt) > len(ids) else None
+            if nxt is None or not _is_special(tok, nxt):
+                raise ChatTemplateError(
+                    f"chat template: after the assistant answer before message {k} it renders no special token "
+                    "(the end of that turn), so generation could not stop there")
+            ids.append(nxt)
+            labels.append(nxt)
+        labels += [IGNORE_INDEX] * (len(prompt) - len(labels))
+        rest = f_text[len(p_text):]
+        end = rest.rfind(info.last_end_text) if info.last_end_text else -1
+        if end >= 0:
+            answer = _encode(tok, rest[:end]) + [info.last_end]
+            text, pending = p_text + rest[:end + len(info.last_end_text)], False
+        else:
+            answer = _encode(tok, rest)
+            text, pending = p_text + rest, True
+        start = len(prompt)
         ids = prompt + answer
         labels += answer
+    if pending:
+        if info.eos is None:
+            raise ChatTemplateError("chat template puts nothing after the final assistant answer and the tokenizer "
+                                    "has no eos_token to end it with")
+        ids.append(info.eos)
+        labels.append(info.eos)
+    return ids, labels, start
+
+
+def tokenize_chat(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and labels for SFT, for any chat template: labels are IGNORE_INDEX except each assistant
+    answer as the template renders it plus the token that ends its turn.
+
+    Each assistant turn's prompt is exactly `apply_chat_template(messages[:k], add_generation_prompt=True)`,
+    i.e. what the server feeds at inference; the answer is the text the template renders after that prompt
+    for the turn, encoded on its own (as the model generates it), up to and including the template's
+    end-of-turn token (ChatML <|im_end|>, Llama-3 <|eot_id|>; for a template that puts nothing after an
+    answer, such as GLM-4's, the next role token it renders, or eos after the final answer). Messages
+    after the last assistant turn carry no loss and are dropped.
+
+    Raises ChatTemplateError when the template cannot be labelled this way (its renders of successive
+    turns don't extend each other, e.g. it drops earlier reasoning), ChatRowError for one conversation that
+    cannot (the template rejects it; an answer's tokens merge with the next prompt's).
+    """
+    ids, labels, _ = chat_tokens(tok, messages)
     return ids, labels

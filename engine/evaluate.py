@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+import sacrebleu
 import torch
 
 from configs.errors import quote
@@ -30,7 +31,8 @@ from data.cleaning import CleanReport
 from data.formats import MAX_LINE_BYTES, read_sft_rows
 from data.packing import PackedBatches, padded_batches
 from data.synthetic import check_answer
-from data.tokenize import cut_messages, dpo_examples, lm_examples
+from data.tokenize import cut_messages, dpo_examples, lm_examples, sft_examples
+from data.tokenizer import end_of_turn_ids
 from engine.losses import causal_lm_loss, group_logprobs
 from engine.trainer import to_device
 from model.lora import lora_disabled, lora_modules
@@ -113,23 +115,46 @@ def _prompt_ids(tok, messages: list[dict]) -> list[int]:
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int | None,
+def _stop_set(eos_id: "int | Iterable[int] | None") -> set[int]:
+    if eos_id is None:
+        return set()
+    return {int(eos_id)} if isinstance(eos_id, (int, np.integer)) else {int(t) for t in eos_id}
+
+
+def _generate(model, prompt: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+    """Decoder.generate (greedy, no KV cache, the context cropped to max_seq_len) stopping at any of `stop`."""
+    ids = torch.tensor([prompt], device=_device(model))
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(model(ids[:, -model.config.max_seq_len:])[0, -1].argmax())
+        out.append(nxt)
+        if nxt in stop:
+            break
+        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    return out
+
+
+def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: "int | Iterable[int] | None",
                   batch_size: int = 32) -> list[list[int]]:
     """Decoder.generate's greedy tokens for many prompts at once, batched without a KV cache.
 
-    Rows are right-padded: with causal attention a real token never sees the padding after it,
-    so no mask is needed and each row's next token is read at its own last position. Prompts
-    are sorted by length so a batch wastes little width, and finished rows leave the batch.
-    A prompt that would outgrow model.config.max_seq_len goes through model.generate itself,
-    which crops the context; so the output always equals model.generate's, prompt by prompt.
+    `eos_id`: the token id(s) that end an answer (data.tokenizer.end_of_turn_ids: a chat template may
+    end a turn with several, e.g. GLM-4's <|user|> and <|endoftext|>); the stop token is kept as the
+    answer's last token. Rows are right-padded: with causal attention a real token never sees the
+    padding after it, so no mask is needed and each row's next token is read at its own last position.
+    Prompts are sorted by length so a batch wastes little width, and finished rows leave the batch.
+    A prompt that would outgrow model.config.max_seq_len is decoded one token at a time with the context
+    cropped as Decoder.generate crops it; so the output always equals model.generate's, prompt by prompt.
     """
+    stop = _stop_set(eos_id)
     out: list[list[int]] = [[] for _ in prompts]
     limit = model.config.max_seq_len
     device = _device(model)
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     short = []
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens - 1 > limit:       # the last step's input would be cropped
-            out[i] = model.generate(p, max_new_tokens, eos_id=eos_id)
+            out[i] = _generate(model, p, max_new_tokens, stop)
         else:
             short.append(i)
     short.sort(key=lambda i: len(prompts[i]))
@@ -149,7 +174,7 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
             lens[active] += 1
             for r, t in zip(active.tolist(), nxt.tolist()):
                 out[idx[r]].append(t)
-            active = active[nxt != eos_id] if eos_id is not None else active
+            active = active[~torch.isin(nxt, stop_ids)]
             if len(active) == 0:
                 break
     return out
@@ -159,13 +184,14 @@ def greedy_answers(model, tok, prompts: list[list[dict]], *, max_new_tokens: int
                    batch_size: int = 32) -> list[str]:
     """The model's greedy answer to each chat prompt (messages ending with the user's), as text.
 
-    Same tokens as Decoder.generate on the chat template with the generation prompt, stopping at
-    the tokenizer's eos (<|im_end|>); special tokens are dropped from the text.
+    Same tokens as Decoder.generate on the chat template with the generation prompt, stopping at the
+    template's end of turn (data.tokenizer.end_of_turn_ids: <|im_end|> for ours, <|eot_id|> for Llama-3,
+    <|user|> or eos for GLM-4); special tokens are dropped from the text.
     """
     context = model.config.max_seq_len   # generate() sees at most the prompt's last `context` tokens
     ids = [_prompt_ids(tok, cut_messages(tok, p, context, keep="tail")) for p in prompts]
     with _evaluating(model):
-        tokens = greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
+        tokens = greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=end_of_turn_ids(tok),
                                batch_size=batch_size)
     return [tok.decode(t, skip_special_tokens=True) for t in tokens]
 
@@ -223,17 +249,41 @@ def task_metrics(model, tok, rows: list[dict], *, max_new_tokens: int = 24, exam
         families.append(_family(row.get("task")))
     answers = greedy_answers(model, tok, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     hits: dict[str, list[bool]] = {}
+    chrf: dict[str, list[float]] = {}
     samples = []
     for prompt, ref, fam, ans in zip(prompts, refs, families, answers):
         ok = check_answer(fam, ans, ref)
         hits.setdefault(fam, []).append(ok)
+        chrf.setdefault(fam, []).append(sacrebleu.sentence_chrf(ans.strip(), [ref.strip()]).score / 100)
         if len(hits[fam]) <= examples:
             samples.append({"task": fam, "prompt": _sample(prompt[-1]["content"]), "reference": _sample(ref),
-                            "answer": _sample(ans), "correct": ok})
+                            "answer": _sample(ans), "correct": ok, "chrf": round(chrf[fam][-1], 4)})
     per_family = {fam: sum(h) / len(h) for fam, h in sorted(hits.items())}
+    chrf_family = {fam: sum(c) / len(c) for fam, c in sorted(chrf.items())}
     return {"exact_match": sum(per_family.values()) / len(per_family), "per_family": per_family,
-            "min_family": min(per_family.values()), "n": len(rows),
+            "min_family": min(per_family.values()), "chrf": sum(chrf_family.values()) / len(chrf_family),
+            "chrf_per_family": chrf_family, "n": len(rows),
             "n_per_family": {fam: len(h) for fam, h in sorted(hits.items())}, "samples": samples}
+
+
+def answer_metrics(model, tok, rows: list[dict], *, seq_len: int, batch_rows: int = 8) -> dict:
+    """Answer-token loss and perplexity: the SFT loss (assistant tokens only) over the rows' whole
+    conversations, tokenised and packed as in training (each row within seq_len, truncated).
+    Meaningful on any chat data, task families or not."""
+    report = CleanReport()
+    examples = list(sft_examples((r["conversations"] for r in rows), tok, seq_len=seq_len, overlong="truncate_prompt",
+                                 min_tokens=1, report=report))
+    if not examples:
+        raise ValueError(f"answer_metrics: no row left to evaluate ({report.dropped})")
+    source, device = _Examples(examples), _device(model)
+    total, count = 0.0, 0
+    with _evaluating(model):
+        for batch in PackedBatches(source, iter(range(len(source))), rows=batch_rows, seq_len=seq_len):
+            loss, m = causal_lm_loss(model, to_device(batch, device))
+            total += float(loss) * int(m["target_tokens"])
+            count += int(m["target_tokens"])
+    loss = total / max(count, 1)
+    return {"answer_loss": loss, "answer_perplexity": math.exp(min(loss, 50.0)), "answer_tokens": count}
 
 
 # ---------------------------------------------------------------- preferences
@@ -261,7 +311,7 @@ def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *
     Pairs are tokenised like DPO training data (each answer within seq_len // 2, truncated).
     """
     report = CleanReport()
-    examples = list(dpo_examples(pairs, tok, seq_len=seq_len, overlong="truncate", report=report))
+    examples = list(dpo_examples(pairs, tok, seq_len=seq_len, overlong="truncate_prompt", report=report))
     if not examples:
         raise ValueError(f"preference_metrics: no pair left to evaluate ({report.dropped})")
     source = _Examples(examples)

@@ -2,8 +2,9 @@
 
 The schema (configs/schema.py) checks the config on its own; this adds what needs the disk:
 the user's data files exist and are readable, and a base model directory is importable
-(config.json with the keys we need, safetensors weights, a tokenizer) with positions enough
-for every `seq_len` and for `serve.max_model_len`. A mistake found here costs seconds, not a
+(config.json of a supported layout with the keys we need, safetensors weights, a tokenizer that
+fits its vocabulary, LoRA targets the layout has) with positions enough for every `seq_len` and
+for `serve.max_model_len`. A mistake found here costs seconds, not a
 training run; each raises a UserError naming the file and key.
 """
 from __future__ import annotations
@@ -11,18 +12,28 @@ from __future__ import annotations
 from configs.errors import UserError
 from configs.schema import Config
 from data.prepare import base_tokenizer_files, check_user_paths
-from model.hf import check_weights, read_hf_config
+from data.tokenizer import load_tokenizer
+from model.hf import check_tokenizer_fits, check_weights, read_hf_config
+from model.lora import check_targets
+from model.model import DecoderConfig
 
 
 def preflight(cfg: Config) -> None:
     check_user_paths(cfg.data)
     if cfg.base_model is None:
+        layout = DecoderConfig(vocab_size=1, arch=cfg.model.arch)
+        for key, lora in (("sft.lora.target_modules", cfg.sft.lora), ("dpo.lora.target_modules", cfg.dpo.lora)):
+            check_targets(layout, lora.target_modules, key)
         return
     if not cfg.base_model.is_dir():
         raise UserError(f"base_model: {cfg.base_model} is not a directory (expected a local Hugging Face model dir)")
-    limit = read_hf_config(cfg.base_model).max_seq_len
+    layout = read_hf_config(cfg.base_model)
+    limit = layout.max_seq_len
     check_weights(cfg.base_model)
     base_tokenizer_files(cfg.base_model)
+    check_tokenizer_fits(cfg.base_model, len(load_tokenizer(cfg.base_model)))
+    for key, lora in (("sft.lora.target_modules", cfg.sft.lora), ("dpo.lora.target_modules", cfg.dpo.lora)):
+        check_targets(layout, lora.target_modules, key)
     lengths = {"sft.seq_len": cfg.sft.seq_len, "dpo.seq_len": cfg.dpo.seq_len}     # pretraining is skipped
     if cfg.serve.enabled:
         lengths["serve.max_model_len"] = cfg.serve.max_model_len

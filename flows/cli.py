@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 import artifacts
 from artifacts.lock import run_lock
@@ -48,7 +47,7 @@ def run_one_stage(stage: str, cfg) -> artifacts.ArtifactRef:
             raise UserError(f"stage {stage} needs the {name} stage's output, and {d} is missing or incomplete; "
                             f"run `python -m flows.cli stage {name}` (or the whole flow) first")
     fns = {
-        "data": lambda out: prepare_data(cfg.data, out),
+        "data": lambda out: prepare_data(cfg.data, out, eval_rows=cfg.eval.max_rows),
         "tokenizer": lambda out: prepare_tokenizer(dirs[0], cfg.tokenizer.vocab_size, out, base_model=cfg.base_model),
         "pretrain": lambda out: stages.pretrain(cfg, *dirs, out),
         "import_base": lambda out: stages.import_base(cfg, out),

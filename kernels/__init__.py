@@ -13,6 +13,10 @@ Exceptions "auto" makes, from those measurements (H200, bf16, 16k tokens):
   lora_linear  with dropout the Triton RNG kernel lost to torch dropout + cuBLAS (1.9× slower); the
                fused cuBLAS-accumulating path without dropout is 1.2–1.4× the frozen GEMM, PEFT 1.5–2×
 
+Not an exception but a limit, on every backend ("triton" too): apply_rope with GLM's interleaved pairs
+or partial rotary runs the reference; the Triton kernel rotates whole heads in halves only (not measured
+on GPU: GLM layouts pay eager RoPE there).
+
 Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
 "flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" picks flex on
 CUDA (1B LoRA SFT at 8 × 2048: 1.25× the tokens/s of the dense mask, less memory) and sdpa on CPU
@@ -64,7 +68,12 @@ def rms_norm(x, weight, eps):
     return _impl("rms_norm", x, fused_pays=not (weight.requires_grad and x.shape[-1] < 1024))(x, weight, eps)
 
 
-def apply_rope(q, k, cos, sin):
+def apply_rope(q, k, cos, sin, interleaved=False):
+    # The Triton kernel rotates whole heads in halves (Llama/Qwen) only. GLM's interleaved pairs and partial
+    # rotary (tables narrower than the head) take the reference on every backend, "triton" included: the
+    # kernel would silently rotate the wrong pairs (interleaved) or refuse the shapes (partial).
+    if interleaved or cos.shape[-1] != q.shape[-1]:
+        return reference.apply_rope(q, k, cos, sin, interleaved)
     return _impl("apply_rope", q)(q, k, cos, sin)
 
 

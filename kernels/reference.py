@@ -12,12 +12,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for `positions` (B, T) in the rotate-half layout HF Llama uses: (B, T, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq          # (B, T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                  # (B, T, head_dim)
-    return emb.cos(), emb.sin()
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
+                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (B, T, rotary_dim) for `positions` (B, T), frequencies as transformers' default RoPE.
+
+    rotary_dim is the head dim, or fewer for partial rotary (GLM: head_dim × partial_rotary_factor).
+    Layout: rotate-half (Llama/Qwen: [f0 … fn, f0 … fn]) or interleaved (GLM: [f0, f0, f1, f1, …],
+    what transformers' modeling_glm4.apply_rotary_pos_emb builds with repeat_interleave).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim))
+    freqs = positions.float()[..., None] * inv_freq          # (B, T, rotary_dim/2)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()                              # (B, T, rotary_dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,10 +31,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: (B, H, T, D); cos, sin: (B, T, D)."""
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's rotate_half: each pair (x0, x1) → (-x1, x0)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (B, H, T, D); cos, sin: (B, T, R) with R ≤ D: the first R dims of each head rotate, the
+    rest pass through unchanged (partial rotary, GLM). `interleaved`: rotate pairs, not halves."""
     cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    rotate = _rotate_pairs if interleaved else _rotate_half
+    R = cos.shape[-1]
+
+    def rope(x):
+        if R == x.shape[-1]:
+            return x * cos + rotate(x) * sin
+        x_rot, x_pass = x[..., :R], x[..., R:]
+        return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
+    return rope(q), rope(k)
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

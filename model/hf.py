@@ -1,6 +1,11 @@
-"""The one weight-name map between our decoder and transformers' LlamaForCausalLM (or
-Qwen3ForCausalLM: the same layout plus per-head q/k RMSNorm, our `qk_norm`), plus native
-checkpoint I/O. Export (our → HF) and base-model import (HF → our) both use it.
+"""The weight-name map between our decoder and transformers' causal LMs of each supported layout,
+their config.json both ways, and native checkpoint I/O. Export (our → HF) and base-model import
+(HF → our) both use LAYER_WEIGHTS.
+
+Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GlmForCausalLM (GLM-4-9B-chat-hf)
+and Glm4ForCausalLM (GLM-4-0414); `DecoderConfig.arch` is the HF model_type. Anything our decoder
+cannot reproduce exactly (rope scaling, sliding windows, MoE, biases or partial rotary where the
+layout has none, another activation) is refused naming the config key.
 
 Safetensors only: nothing a user hands in is ever unpickled.
 """
@@ -13,15 +18,37 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from configs.errors import UserError, quote
-from model.model import Decoder, DecoderConfig
+from model.model import LAYOUTS, Decoder, DecoderConfig
 
 
 class BaseModelError(UserError, ValueError):
     """A base-model directory we cannot import; the message names the file and key."""
 
-# model_type → architecture; qk_norm picks Qwen3 (Llama has no q/k norm), else Llama.
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# model_type (= our arch) → architecture
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 NATIVE_WEIGHTS, NATIVE_CONFIG = "model.safetensors", "config.json"
+
+# Parameters of one decoder layer (model.layers.N.<name>), as transformers names them in each
+# architecture, and so do we: the map is the identity, written out per architecture.
+_ATTN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+_QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")   # dropped if attention_bias is off
+_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+_SWIGLU = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_GLM_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+LAYER_WEIGHTS = {
+    "llama": _NORMS + _ATTN + _SWIGLU,
+    "qwen2": _NORMS + _ATTN + _QKV_BIAS + _SWIGLU,
+    "qwen3": _NORMS + _ATTN + ("self_attn.q_norm.weight", "self_attn.k_norm.weight") + _SWIGLU,
+    "glm": _NORMS + _ATTN + _QKV_BIAS + _GLM_MLP,
+    "glm4": _NORMS + ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight") + _ATTN + _QKV_BIAS + _GLM_MLP,
+}
+# Weights in a checkpoint that transformers itself never loads (old Llama exports kept RoPE's buffer).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# MoE config keys across families: any of them set means experts our dense MLP cannot hold.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+             "num_experts_per_tok")
 
 
 def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
@@ -29,71 +56,113 @@ def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_embeddings:
         names.append("lm_head.weight")
+    layer = [n for n in LAYER_WEIGHTS[cfg.arch] if cfg.attention_bias or n not in _QKV_BIAS]
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
-        if cfg.qk_norm:
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-        names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [f"model.layers.{i}.{n}" for n in layer]
     return {n: n for n in names}
 
 
 def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None, pad_id: int | None,
                    dtype: str = "float32") -> dict:
-    from transformers import LlamaConfig, Qwen3Config  # lazily: only export needs transformers
+    """config.json of the HF class of `cfg.arch` (written through transformers' own config class)."""
+    import transformers  # lazily: only export needs transformers
 
-    model_type = hf_model_type(cfg)
-    extra = {"use_sliding_window": False} if model_type == "qwen3" else {"mlp_bias": False}
-    hf = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type](
+    arch = cfg.arch
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    extra: dict = {"head_dim": cfg.head_dim}
+    if arch == "llama":
+        extra |= {"mlp_bias": False, "attention_bias": False}
+    elif arch in ("qwen2", "qwen3"):
+        extra |= {"use_sliding_window": False} | ({"attention_bias": False} if arch == "qwen3" else {})
+        if arch == "qwen2":
+            del extra["head_dim"]   # Qwen2Config has none: hidden_size / heads
+    else:   # glm, glm4
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+        extra |= {"attention_bias": cfg.attention_bias, "partial_rotary_factor": cfg.partial_rotary_factor}
+    config_class = getattr(transformers, HF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
+    hf = config_class(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps, hidden_act="silu",
+        rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype=dtype, **extra,
     )
     d = hf.to_dict()
-    d["architectures"] = [HF_ARCHITECTURES[model_type]]
+    # GlmConfig/Glm4Config replace a missing eos/pad with GLM-4's own ids: keep ours (None included).
+    d["bos_token_id"], d["eos_token_id"], d["pad_token_id"] = bos_id, eos_id, pad_id
+    d["architectures"] = [HF_ARCHITECTURES[arch]]
     return d
 
 
-def hf_model_type(cfg: DecoderConfig) -> str:
-    return "qwen3" if cfg.qk_norm else "llama"
+def _supported(key: str) -> str:
+    return ", ".join(a for a, layout in LAYOUTS.items() if key in layout.variable)
 
 
 def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConfig:
-    """Read a Llama (or Qwen3) HF config; refuse layouts our decoder cannot represent exactly."""
-    arch = (hf.get("architectures") or ["?"])[0]
-    model_type = hf.get("model_type")
-    if model_type not in HF_ARCHITECTURES:
+    """Read a supported HF config; refuse, naming the key, what our decoder cannot reproduce exactly."""
+    arch_name = (hf.get("architectures") or ["?"])[0]
+    arch = hf.get("model_type")
+    if arch not in HF_ARCHITECTURES:
         supported = ", ".join(f"{a} (model_type '{t}')" for t, a in HF_ARCHITECTURES.items())
-        raise BaseModelError(f"{source}: model_type {quote(model_type)} / {quote(arch)} is not supported; "
-                             f"base_model must be one of: {supported}")
+        raise BaseModelError(f"{source}: model_type {quote(arch)} / {quote(arch_name)} is not supported; "
+                             f"supported: {supported}")
+    layout = LAYOUTS[arch]
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
     if missing:
         raise BaseModelError(f"{source}: required key {missing[0]!r} is missing or not an integer "
                              f"(got {quote(hf.get(missing[0]))})")
-    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+    if hf.get("mlp_bias"):
+        raise BaseModelError(f"{source}: mlp_bias=true is not supported; supported: MLPs without bias (every layout)")
+    # Llama/Qwen3's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v bias without a key; GLM's is q/k/v only.
+    attention_bias = layout.attention_bias
+    if "attention_bias" in layout.variable:
+        attention_bias = bool(hf.get("attention_bias", layout.attention_bias))
+    elif hf.get("attention_bias") and arch != "qwen2":
+        raise BaseModelError(f"{source}: attention_bias=true is not supported for model_type {quote(arch)} (its "
+                             f"layout has no attention bias); supported: q/k/v bias in qwen2, {_supported('attention_bias')}")
+    for key in _MOE_KEYS:
         if hf.get(key):
-            raise BaseModelError(f"{source}: {key}=true is not supported by the glm-lora decoder")
+            raise BaseModelError(f"{source}: {key}={quote(hf[key])} (mixture of experts) is not supported; "
+                                 "supported: dense MLPs only")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        what = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types {quote(hf['layer_types'])}"
+        raise BaseModelError(f"{source}: {what} (sliding-window attention) is not supported; "
+                             "supported: full attention in every layer")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise BaseModelError(f"{source}: hidden_act {quote(hf['hidden_act'])} is not supported; supported: 'silu'")
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = hf.get(rope_key) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))   # legacy configs spell it `type`
     if rope_type != "default":
-        raise BaseModelError(f"{source}: {rope_key} rope type {quote(rope_type)} is not supported (only 'default')")
+        raise BaseModelError(f"{source}: {rope_key} rope type {quote(rope_type)} is not supported; supported: 'default'")
+    partial = rope.get("partial_rotary_factor")
+    partial = hf.get("partial_rotary_factor") if partial is None else partial
+    partial = layout.partial_rotary_factor if partial is None else partial     # absent: the class default
+    if partial != layout.partial_rotary_factor and "partial_rotary_factor" not in layout.variable:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} is not supported for model_type "
+                             f"{quote(arch)} (it rotates whole heads); supported: partial rotary in "
+                             f"{_supported('partial_rotary_factor')}")
     heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
-        raise BaseModelError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}")
+        raise BaseModelError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}; "
+                             "supported: head_dim = hidden_size / num_attention_heads")
+    if heads % kv_heads:
+        raise BaseModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) else None
+    if rotary is None or not 0 < rotary <= head_dim or rotary % 2:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} × head_dim {head_dim} must give an "
+                             "even number of rotated dims in (0, head_dim]")
     return DecoderConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_heads=heads, num_kv_heads=kv_heads,
         intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
+        rms_norm_eps=hf.get("rms_norm_eps", 1.5625e-07 if arch in ("glm", "glm4") else 1e-6),   # class defaults
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        arch=arch, attention_bias=attention_bias, partial_rotary_factor=float(partial),
     )
 
 
@@ -131,18 +200,49 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf(path: Path) -> Decoder:
-    """A local HF Llama (or Qwen3) directory → our Decoder (fp32), via the weight map."""
+    """A local HF directory of a supported architecture → our Decoder (fp32), via the weight map.
+
+    The weights must be exactly what config.json describes: a missing weight, one the layout has no
+    place for (e.g. a bias config.json does not declare), or a separate lm_head beside
+    tie_word_embeddings=true is refused naming the weight — transformers would drop or re-tie it.
+    """
     path = Path(path)
     cfg = read_hf_config(path)
     state = _load_safetensors_dir(path)
     model = Decoder(cfg)
+    wmap = hf_weight_map(cfg)
     ours = {}
-    for our_name, hf_name in hf_weight_map(cfg).items():
+    for our_name, hf_name in wmap.items():
         if hf_name not in state:
-            raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files")
+            raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files "
+                                 f"(config.json describes a {HF_ARCHITECTURES[cfg.arch]})")
         ours[our_name] = state[hf_name].float()
+    if cfg.tie_embeddings and "lm_head.weight" in state:
+        if not torch.equal(state["lm_head.weight"].float(), ours["model.embed_tokens.weight"]):
+            raise BaseModelError(f"{path / 'config.json'}: tie_word_embeddings=true, but the safetensors files hold an "
+                                 "lm_head.weight that differs from model.embed_tokens.weight; supported: "
+                                 "tie_word_embeddings=false with both weights, or true with equal (or no) lm_head.weight")
+        state.pop("lm_head.weight")
+    extra = sorted(k for k in set(state) - set(wmap.values()) if not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise BaseModelError(f"{path}: weight {extra[0]!r} ({len(extra)} unexpected in all) has no place in the "
+                             f"{HF_ARCHITECTURES[cfg.arch]} layout config.json describes (check attention_bias, "
+                             "model_type and the layer count)")
     model.load_state_dict(ours, strict=not cfg.tie_embeddings)
     return model
+
+
+def check_tokenizer_fits(path: Path, tokenizer_size: int) -> None:
+    """Refuse a base model whose tokenizer has more tokens (len(tokenizer), added tokens included) than
+    its config.json `vocab_size`: their ids would index past the embedding. Fewer is fine (GLM-4 and
+    Qwen pad vocab_size to a multiple of 64/128)."""
+    path = Path(path)
+    vocab = read_hf_config(path).vocab_size
+    if tokenizer_size > vocab:
+        files = [f for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json") if (path / f).is_file()]
+        raise BaseModelError(f"{path / 'config.json'}: vocab_size {vocab} is smaller than the tokenizer's "
+                             f"{tokenizer_size} tokens ({', '.join(files) or 'tokenizer files'} in {path}); "
+                             "supported: a tokenizer of at most vocab_size tokens")
 
 
 def save_hf(model: Decoder, out_dir: Path, *, bos_id, eos_id, pad_id, dtype: torch.dtype = torch.float32) -> None:

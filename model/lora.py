@@ -1,7 +1,9 @@
 """LoRA on the decoder's linear layers: inject, disable (for DPO's reference), merge, save.
 
 Parameter names mirror PEFT (`<path>.lora_A.weight`, `<path>.lora_B.weight`) so the export to a
-PEFT adapter is a prefix change only. `modules_to_save` (PEFT's name) are trained in full beside
+PEFT adapter is a prefix change only. Targets are the last name parts of the model's linear layers
+(`q_proj`, …, `gate_up_proj` in GLM layouts), or "all-linear" (PEFT's term): every linear projection
+of the layout, the output head excepted. `modules_to_save` (PEFT's name) are trained in full beside
 the adapter and saved with it as `<path>.weight` (e.g. embed_tokens, lm_head).
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn as nn
 
 import kernels
 from configs.errors import UserError
+from configs.schema import ALL_LINEAR     # "all-linear": PEFT's term for every linear projection
 
 
 class LoRAConfigError(UserError, ValueError):
@@ -21,12 +24,14 @@ class LoRAConfigError(UserError, ValueError):
 
 
 class LoRALinear(nn.Module):
-    """A frozen base linear plus a trainable low-rank update: y = x Wᵀ + (α/r)·x Aᵀ Bᵀ."""
+    """A frozen base linear plus a trainable low-rank update: y = x Wᵀ + b + (α/r)·x Aᵀ Bᵀ (b, if any: frozen)."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
         super().__init__()
-        self.weight = base.weight
+        self.weight, self.bias = base.weight, base.bias
         self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.r, self.alpha, self.dropout = r, alpha, dropout
         self.scale = alpha / r
@@ -38,9 +43,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         if not self.enabled:
-            return nn.functional.linear(x, self.weight)
-        return kernels.lora_linear(x, self.weight, self.lora_A.weight, self.lora_B.weight,
-                                   self.scale, self.dropout, self.training)
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = kernels.lora_linear(x, self.weight, self.lora_A.weight, self.lora_B.weight,
+                                self.scale, self.dropout, self.training)
+        return y if self.bias is None else y + self.bias
 
     def merged_weight(self) -> torch.Tensor:
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
@@ -61,15 +67,45 @@ def saved_modules(model: nn.Module, modules_to_save) -> dict[str, nn.Module]:
     return found
 
 
-def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: float, dropout: float = 0.0,
-                modules_to_save=()) -> list[str]:
-    """Freeze `model`, wrap every linear whose last name part is in `target_modules`, and make
-    the weights of `modules_to_save` trainable."""
-    names = linear_names(model)
-    available = sorted({n.rsplit(".", 1)[-1] for n in names})
+def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
+    """The projection names `target_modules` means for this model ("all-linear": all of them); names the
+    model's layout lacks (e.g. gate_proj in GLM, whose MLP has one gate_up_proj) are refused."""
+    available = sorted({n.rsplit(".", 1)[-1] for n in linear_names(model)})
+    if target_modules == ALL_LINEAR:
+        return available
     unknown = [t for t in target_modules if t not in available]
     if unknown:
-        raise LoRAConfigError(f"lora.target_modules {unknown} not found in the model; its linear layers are {available}")
+        arch = getattr(getattr(model, "config", None), "arch", None)
+        layout = f" ({arch} layout)" if isinstance(arch, str) else ""
+        raise LoRAConfigError(f"lora.target_modules {unknown} not found in the model{layout}; "
+                              f"supported: {available} or {ALL_LINEAR!r}")
+    return list(target_modules)
+
+
+def layout_projections(cfg) -> list[str]:
+    """The linear projections (LoRA targets) a DecoderConfig's layout has, without building the model."""
+    mlp = ["gate_up_proj"] if cfg.layout.fused_gate_up else ["gate_proj", "up_proj"]
+    return sorted(["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", *mlp])
+
+
+def check_targets(cfg, target_modules: list[str] | str, key: str = "lora.target_modules") -> None:
+    """Before any training (engine/preflight.py): refuse target names the layout of `cfg` (a DecoderConfig,
+    e.g. model.hf.read_hf_config(base_model)) lacks, naming `key` and the supported set."""
+    if target_modules == ALL_LINEAR:
+        return
+    supported = layout_projections(cfg)
+    unknown = [t for t in target_modules if t not in supported]
+    if unknown:
+        raise LoRAConfigError(f"{key} {unknown} not found in the model ({cfg.arch} layout); "
+                              f"supported: {supported} or {ALL_LINEAR!r}")
+
+
+def inject_lora(model: nn.Module, target_modules: list[str] | str, r: int, alpha: float, dropout: float = 0.0,
+                modules_to_save=()) -> list[str]:
+    """Freeze `model`, wrap every linear whose last name part is in `target_modules` (or every one:
+    "all-linear"), and make the weights of `modules_to_save` trainable."""
+    names = linear_names(model)
+    target_modules = resolve_targets(model, target_modules)
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
@@ -132,7 +168,10 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put plain nn.Linear layers back."""
     for name, m in lora_modules(model).items():
         parent_name, attr = name.rsplit(".", 1)
-        merged = nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device, dtype=m.weight.dtype)
+        merged = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
+                           dtype=m.weight.dtype)
         merged.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
+        if m.bias is not None:
+            merged.bias = m.bias                            # LoRA leaves the bias as it was
         setattr(model.get_submodule(parent_name), attr, merged)
     return model

@@ -1,7 +1,10 @@
 """The glm-lora decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU — readable in one sitting.
 
-Module names follow transformers' LlamaForCausalLM exactly (model.layers.N.self_attn.q_proj, ...)
-so the weight map in model/hf.py is explicit and trivial, and PEFT adapter keys line up.
+One decoder, five Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
+Qwen3 (q/k RMSNorm), GLM (q/k/v bias, fused gate_up_proj, GLM's interleaved partial RoPE) and GLM-4-0414
+(GLM plus a norm on each branch's output). Module names follow transformers' classes of that layout
+exactly (model.layers.N.self_attn.q_proj, ...mlp.gate_up_proj, ...) so the weight map in model/hf.py
+is one explicit list per architecture and PEFT adapter keys line up.
 """
 from __future__ import annotations
 
@@ -12,6 +15,30 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 import kernels
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one HF architecture's decoder layer has (names as in its transformers modeling file)."""
+
+    attention_bias: bool = False         # bias on q/k/v (never on o)
+    partial_rotary_factor: float = 1.0   # share of each head's dims RoPE rotates; the rest pass through
+    variable: tuple[str, ...] = ()       # which of the two above a model of this family may set otherwise
+    qk_norm: bool = False                # RMSNorm on each head's q and k before RoPE
+    fused_gate_up: bool = False          # one mlp.gate_up_proj whose output is [gate | up]
+    sandwich_norms: bool = False         # post_self_attn_layernorm / post_mlp_layernorm on each branch's output
+    rope_interleaved: bool = False       # RoPE rotates pairs (x0, x1), (x2, x3)… instead of halves
+
+
+_GLM = dict(attention_bias=True, partial_rotary_factor=0.5, variable=("attention_bias", "partial_rotary_factor"),
+            fused_gate_up=True, rope_interleaved=True)   # transformers' GlmConfig/Glm4Config defaults
+LAYOUTS = {
+    "llama": Layout(),
+    "qwen2": Layout(attention_bias=True),                # Qwen2Attention: q/k/v bias always on
+    "qwen3": Layout(qk_norm=True),
+    "glm": Layout(**_GLM),                               # GLM-4-9B-chat-hf (GlmForCausalLM)
+    "glm4": Layout(**_GLM, sandwich_norms=True),         # GLM-4-0414 (Glm4ForCausalLM)
+}
 
 
 @dataclass
@@ -26,17 +53,46 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    qk_norm: bool = False       # RMSNorm on each head's q and k (Qwen3/OLMo2): bounds attention logits
+    arch: str = "llama"                          # a key of LAYOUTS
+    attention_bias: bool | None = None           # None: the layout's default
+    partial_rotary_factor: float | None = None   # None: the layout's default
+
+    def __post_init__(self):
+        if self.arch not in LAYOUTS:
+            raise ValueError(f"arch {self.arch!r} is not supported; supported: {', '.join(LAYOUTS)}")
+        layout = LAYOUTS[self.arch]
+        for key in ("attention_bias", "partial_rotary_factor"):
+            if getattr(self, key) is None:
+                setattr(self, key, getattr(layout, key))
+            elif key not in layout.variable and getattr(self, key) != getattr(layout, key):
+                raise ValueError(f"{key}={getattr(self, key)} is not part of the {self.arch} layout "
+                                 f"(always {getattr(layout, key)}); supported: "
+                                 f"{', '.join(a for a, l in LAYOUTS.items() if key in l.variable)}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} × head_dim {self.head_dim} must "
+                             "give an even number of rotated dims")
+
+    @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.arch]
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:   # int(), as transformers' default RoPE init does
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderConfig":
+        """Tolerant: unknown keys are dropped; checkpoints from before `arch` say `qk_norm` instead."""
+        d = dict(d)
+        if "arch" not in d:
+            d["arch"] = "qwen3" if d.get("qk_norm") else "llama"
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -55,11 +111,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.interleaved = cfg.layout.rope_interleaved
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
+        if cfg.layout.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -70,7 +128,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.apply_rope(q, k, cos, sin)
+        q, k = kernels.apply_rope(q, k, cos, sin, interleaved=self.interleaved)
         y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)
 
@@ -78,12 +136,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        if cfg.layout.fused_gate_up:    # GLM: one projection, output [gate | up]
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        else:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                       # 2 × (B, T, I)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.swiglu(gate, up))
 
 
 class Block(nn.Module):
@@ -91,12 +156,21 @@ class Block(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # (pre-MLP, despite its name)
         self.mlp = MLP(cfg)
+        if cfg.layout.sandwich_norms:   # GLM-4-0414: each branch's output is normalised before the residual add
+            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        if hasattr(self, "post_self_attn_layernorm"):
+            h = self.post_self_attn_layernorm(h)
+        x = x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        if hasattr(self, "post_mlp_layernorm"):
+            h = self.post_mlp_layernorm(h)
+        return x + h
 
 
 class Backbone(nn.Module):
@@ -122,6 +196,8 @@ class Decoder(nn.Module):
     def _init_weights(m: nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)                          # as transformers initialises q/k/v biases
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                       doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,7 +208,9 @@ class Decoder(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        cos, sin = kernels.rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cfg = self.config
+        cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
+                                        interleaved=cfg.layout.rope_interleaved)   # (B, T, rotary_dim)
         mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
         x = self.model.embed_tokens(input_ids)                                    # (B, T, C)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()

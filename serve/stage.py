@@ -18,9 +18,10 @@ from artifacts import read_manifest
 from configs.errors import UserError
 from configs.schema import Config, ServeConfig
 from engine.gate import promotion_gate
-from data.tokenizer import load_tokenizer
+from data.tokenizer import end_of_turn_ids, load_tokenizer
+from engine.evaluate import greedy_decode
 from model.hf import load_hf
-from serve.vllm_server import chat, port_in_use, start_server, stop_server, wait_healthy
+from serve.vllm_server import chat_choice, port_in_use, start_server, stop_server, wait_healthy
 
 log = logging.getLogger("glm_lora.serve")
 RECORD = "server.json"
@@ -38,15 +39,29 @@ def stop_recorded_server(serve_dir: Path) -> bool:
     return False
 
 
-def inprocess_answer(model_dir: Path, messages: list[dict], max_tokens: int) -> str:
+def inprocess_answer(model_dir: Path, messages: list[dict], max_tokens: int) -> tuple[str, list[int]]:
+    """Our own greedy answer (text, token ids without the stop token) from the exported model."""
     tok = load_tokenizer(model_dir)
     model = load_hf(model_dir).eval()
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(prompt, list):
         prompt = prompt["input_ids"]
-    with torch.no_grad():
-        out = model.generate(list(prompt), max_tokens, eos_id=tok.eos_token_id)
-    return tok.decode(out, skip_special_tokens=True)
+    stops = end_of_turn_ids(tok)
+    with torch.no_grad():     # stops where the template's turn ends, like the server (generation_config.json)
+        out = greedy_decode(model, [list(prompt)], max_new_tokens=max_tokens, eos_id=stops)[0]
+    return tok.decode(out, skip_special_tokens=True), _without_stop(out, stops)
+
+
+def _without_stop(ids: list[int], stops: list[int]) -> list[int]:
+    return list(ids[:-1]) if ids and ids[-1] in stops else list(ids)
+
+
+def _same_answer(served_ids: list[int] | None, our_ids: list[int], served: str, ours: str, stops: list[int]) -> bool:
+    """Greedy parity, token for token (text can differ where a byte-level piece ends mid-character);
+    by text only if the server returned no token ids."""
+    if served_ids is None:
+        return served.strip() == ours.strip()
+    return _without_stop(served_ids, stops) == our_ids
 
 
 def api_key(sc: ServeConfig) -> tuple[str | None, str | None]:
@@ -104,8 +119,10 @@ def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
     try:
         wait_healthy(handle, timeout_s=sc.startup_timeout_s)
         ready_s = time.perf_counter() - t0
-        answer = chat(handle, messages, max_tokens=sc.max_tokens, temperature=0.0, api_key=key)
-        ours = inprocess_answer(model_dir, messages, sc.max_tokens)
+        choice = chat_choice(handle, messages, max_tokens=sc.max_tokens, temperature=0.0, api_key=key,
+                             return_token_ids=True)
+        answer, served_ids = choice["message"]["content"], choice.get("token_ids")
+        ours, our_ids = inprocess_answer(model_dir, messages, sc.max_tokens)
     except BaseException:   # no record is written: nothing else could stop this server
         stop_server(handle.pid)
         raise
@@ -116,7 +133,9 @@ def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
               "log": str(handle.log_path), "model_dir": str(model_dir), "eval": candidate, "api_key_from": key_source}
     (Path(out_dir) / RECORD).write_text(json.dumps(record, indent=2))
     result = {"endpoint": f"{handle.base_url}/v1/chat/completions", "model": cfg.run_name, "prompt": sc.prompt,
-              "answer": answer, "inprocess_answer": ours, "matches_inprocess": answer.strip() == ours.strip(),
+              "answer": answer, "inprocess_answer": ours, "matches_inprocess": _same_answer(
+                  served_ids, our_ids, answer, ours, end_of_turn_ids(load_tokenizer(model_dir))),
+              "token_ids": served_ids, "inprocess_token_ids": our_ids,
               "ready_s": round(ready_s, 1), "running": running, "gate": gate.table, "api_key_from": key_source}
     (Path(out_dir) / "answer.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
     log.info("served %s: %r -> %r (in-process: %r)", result["endpoint"], sc.prompt, answer, ours)

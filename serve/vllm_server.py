@@ -63,6 +63,14 @@ def port_in_use(host: str, port: int) -> bool:
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 512)  # the values --max-lora-rank accepts
 
 
+def vllm_adapter_dir(adapter_dir: Path) -> Path:
+    """The form of an exported adapter vLLM loads: `<dir>-vllm/` beside it when the export wrote one
+    (GLM-4-0414: vLLM's native Glm4 refuses a LoRA on HF's fused mlp.gate_up_proj; export/__init__.py)."""
+    adapter_dir = Path(adapter_dir)
+    split = adapter_dir.with_name(adapter_dir.name + "-vllm")
+    return split if (split / "adapter_config.json").is_file() else adapter_dir
+
+
 def _lora_rank_for(adapter_dirs) -> int:
     """Smallest accepted --max-lora-rank that fits every adapter's `r`."""
     r = max(json.loads((Path(d) / "adapter_config.json").read_text())["r"] for d in adapter_dirs)
@@ -86,6 +94,8 @@ def start_server(
 ) -> ServerHandle:
     """Launch the server in the background and return at once; call `wait_healthy` next.
 
+    lora_modules: served name → exported adapter dir; where the export wrote a vLLM form beside it
+    (GLM-4-0414's gate_up_proj split: `vllm_adapter_dir`), that form is served.
     api_key: require `Authorization: Bearer <api_key>` on every route but /health (README "Security").
     It goes to vLLM as $VLLM_API_KEY (same as --api-key), never on the command line: argv is visible to
     every user in `ps`. vLLM itself guards only /v1/*; our middleware (vllm_plugins/) guards the rest.
@@ -111,6 +121,7 @@ def start_server(
         "--generation-config", str(model_dir),
     ]
     if lora_modules:
+        lora_modules = {name: vllm_adapter_dir(path) for name, path in lora_modules.items()}
         rank = max_lora_rank or _lora_rank_for(lora_modules.values())
         cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-modules"]
         cmd += [f"{name}={Path(path).resolve()}" for name, path in lora_modules.items()]
@@ -198,14 +209,17 @@ def chat(
 ) -> str:
     """One /v1/chat/completions request; returns the assistant text. `request`: further
     OpenAI request fields (e.g. logit_bias)."""
-    body = {
-        "model": model or handle.model_name,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        **request,
-    }
-    return post_json(handle, "/v1/chat/completions", body, api_key=api_key)["choices"][0]["message"]["content"]
+    return chat_choice(handle, messages, model=model, max_tokens=max_tokens, temperature=temperature,
+                       api_key=api_key, **request)["message"]["content"]
+
+
+def chat_choice(handle: ServerHandle, messages: list[dict], *, model: str | None = None, max_tokens: int = 64,
+                temperature: float = 0.0, api_key: str | None = None, **request) -> dict:
+    """The first choice of a /v1/chat/completions reply (with `return_token_ids=True`, vLLM adds the
+    generated `token_ids`)."""
+    body = {"model": model or handle.model_name, "messages": messages, "max_tokens": max_tokens,
+            "temperature": temperature, **request}
+    return post_json(handle, "/v1/chat/completions", body, api_key=api_key)["choices"][0]
 
 
 def post_json(handle: ServerHandle, path: str, body: dict, timeout_s: float = 300, api_key: str | None = None) -> dict:

@@ -25,7 +25,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
 
 # The config keys each stage depends on (dotted keys name a single field).
 STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "data": ("data",),
+    "data": ("data", "eval.max_rows"),
     "tokenizer": ("tokenizer", "base_model"),
     "pretrain": ("model", "pretrain", "device", "precision", "kernels", "attention"),
     "import_base": ("base_model",),

@@ -107,7 +107,8 @@ stage_task = dict(retries=1, retry_delay_seconds=5, retry_condition_fn=transient
 def data_task(cfg: dict) -> dict:
     """Generate the embedded data (or validate the user's files)."""
     from data.prepare import prepare_data
-    return run_stage("data", cfg, [], lambda out: prepare_data(Config.model_validate(cfg).data, out))
+    c = Config.model_validate(cfg)
+    return run_stage("data", cfg, [], lambda out: prepare_data(c.data, out, eval_rows=c.eval.max_rows))
 
 
 @task(name="tokenizer", cache_key_fn=_prefect_key("tokenizer"), **stage_task)

@@ -205,3 +205,84 @@ def test_a_stage_that_fails_mid_training_is_retried_by_prefect_and_resumes(dag, 
     assert calls["n"] == 60 + 8 + 6 + 2
     losses = json.loads((Path(overrides["runs_dir"]) / "retry" / "sft" / "losses.json").read_text())
     assert len(losses) == 12
+
+
+LOAD_COPIED_DPO_ADAPTER = """
+import sys
+from pathlib import Path
+import torch
+from peft import PeftConfig, PeftModel
+from transformers import AutoModelForCausalLM
+export = Path(sys.argv[1])
+adapter = export / "adapters" / "dpo"
+base_dir = adapter / PeftConfig.from_pretrained(adapter).base_model_name_or_path   # relative to the adapter
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter).eval()
+merged = AutoModelForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()
+ids = torch.tensor([[5, 17, 42, 9, 3, 77, 11]])
+with torch.no_grad():
+    print("MAXDIFF", float((model(ids).logits - merged(ids).logits).abs().max()), base_dir.resolve())
+"""
+
+
+def _glm4_base(path: Path) -> Path:
+    """A tiny random Glm4ForCausalLM (GLM-4-0414 layout) with a GLM-4 chat template: nothing downloaded."""
+    from transformers import Glm4Config, Glm4ForCausalLM
+    from data.tokenizer import load_tokenizer
+    from tests.chat_templates import build_tokenizer
+    build_tokenizer(path, "glm4")
+    tok = load_tokenizer(path)
+    torch.manual_seed(0)
+    Glm4ForCausalLM(Glm4Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                               initializer_range=0.1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)).save_pretrained(path)
+    return path
+
+
+def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_loadably(dag, tmp_path):
+    """The user's path: a GLM-4 base, Alpaca SFT and prompt/chosen/rejected DPO files with no *_eval paths.
+    Every metric must come from rows held out of those files; vLLM serves the result with parity; the DPO
+    adapter loads with PeftModel.from_pretrained in a fresh process from a copied run directory."""
+    import shutil
+    import subprocess
+    import sys
+
+    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "amber", "grape",
+             "delta", "flint", "harbor", "ivory", "jungle", "kettle", "lantern", "meadow", "nickel"]
+    sft = tmp_path / "alpaca.json"
+    sft.write_text(json.dumps([{"instruction": f"Repeat the word {w} {i}.", "input": "", "output": f"{w} {i}"}
+                               for i in range(15) for w in words]))
+    dpo = tmp_path / "prefs.jsonl"
+    dpo.write_text("".join(json.dumps({"prompt": f"Say {w} {i}.", "chosen": f"{w} {i}", "rejected": f"no {i}"}) + "\n"
+                           for i in range(6) for w in words))
+    base = _glm4_base(tmp_path / "glm4-base")
+    overrides = {**dag["overrides"], "run_name": "glm4-user", "base_model": str(base), "data.sft": str(sft),
+                 "data.dpo": str(dpo), "sft.max_steps": 10, "dpo.max_steps": 4, "sft.eval_every": 5,
+                 "dpo.eval_every": 2, "serve.port": _free_port()}
+    result, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "serve")}
+    run_dir = Path(overrides["runs_dir"]) / "glm4-user"
+    sources = json.loads((run_dir / "data" / "sources.json").read_text())["splits"]
+    for split, path in (("sft", sft), ("dpo", dpo)):
+        assert sources[split]["held_out"]["rows"] >= 8
+        assert sources[f"{split}_eval"]["held_out_from"]["path"] == str(path)
+    for stage in ("sft", "dpo"):
+        ev = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]["eval"]
+        assert ev["data"] and all(d["user_data"] and d["source"] in (f"held out of {sft}", f"held out of {dpo}")
+                                  for d in ev["data"].values()), ev["data"]
+        assert {"exact_match", "chrf", "answer_loss"} <= ev.keys()
+    assert result["matches_inprocess"] is True and result["token_ids"] and result["inprocess_token_ids"]
+    assert json.loads((run_dir / "export" / "merged" / "config.json").read_text())["architectures"] == ["Glm4ForCausalLM"]
+
+    copy = tmp_path / "copied-run"
+    shutil.copytree(run_dir, copy)
+    hidden = run_dir.with_name("glm4-user-moved")      # the original is gone while the copy loads
+    run_dir.rename(hidden)
+    try:
+        proc = subprocess.run([sys.executable, "-c", LOAD_COPIED_DPO_ADAPTER, str(copy / "export")],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        hidden.rename(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff, base_used = proc.stdout.split("MAXDIFF")[1].split()
+    assert float(diff) < 1e-4 and base_used == str((copy / "export" / "sft_merged").resolve())

@@ -25,7 +25,7 @@ def run_job(job: dict, out: Path) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", filename=str(out / f"{name}.log"))
     ov = {"run_name": name, "runs_dir": "/tmp/sweep_runs", "checkpoint.save_every": 0, "checkpoint.resume": "never",
           "device": "cuda", "precision": "fp32", "kernels": "reference", "attention": "sdpa", "threads": 1,
-          "model.qk_norm": True, "sft.log_every": 500}
+          "model.arch": "qwen3", "sft.log_every": 500}
     for a in job.get("set", []):
         k, v = a.split("=", 1); ov[k] = parse_value(v)
     cfg = load_config("tiny", ov)

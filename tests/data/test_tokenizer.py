@@ -12,6 +12,7 @@ import sentencepiece as spm
 from data.tokenizer import (
     CHAT_TEMPLATE, IGNORE_INDEX, IM_END, IM_START, load_tokenizer, tokenize_chat, train_tokenizer,
 )
+from tests.chat_templates import labelled_spans
 
 VOCAB = 500
 SAMPLES = [
@@ -109,15 +110,7 @@ def test_tokenize_chat_labels(tok) -> None:
     assert len(ids) == len(labels)
     im_end = tok.convert_tokens_to_ids(IM_END)
     # The labelled spans are exactly each answer followed by <|im_end|>.
-    spans, current = [], []
-    for i, label in zip(ids, labels):
-        if label != IGNORE_INDEX:
-            assert label == i
-            current.append(i)
-        elif current:
-            spans.append(current)
-            current = []
-    spans.append(current)
+    spans = labelled_spans(ids, labels, IGNORE_INDEX)
     answers = [m["content"] for m in CHAT if m["role"] == "assistant"]
     assert [tok.decode(s[:-1]) for s in spans] == answers
     assert all(s[-1] == im_end for s in spans)

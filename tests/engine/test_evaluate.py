@@ -351,7 +351,7 @@ def _eval_config(splits: dict, on_bad_row: str) -> Config:
                   "max_seq_len": 128},
         "pretrain": {"seq_len": 64}, "sft": {"seq_len": 64}, "dpo": {"seq_len": 128},
         "eval": {"max_rows": 50, "max_new_tokens": 4},
-        "data": {**{k: str(v) for k, v in splits.items()}, "on_bad_row": on_bad_row, "max_line_bytes": 4096,
+        "data": {**{k: str(v) for k, v in splits.items()}, "on_bad_row": on_bad_row, "max_line_bytes": 4096, "max_drop_fraction": 0.5,
                  "synthetic": {"n_pretrain": 20, "n_sft": 10, "n_dpo": 10, "n_eval": 5}}})
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
-from model.lora import LoRALinear, lora_modules
+from model.lora import LoRALinear, linear_names, lora_modules
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -190,3 +190,117 @@ def tiny_with(targets):
     m = tiny()
     inject_lora(m, targets, r=2, alpha=2)
     return m
+
+
+# ---------------------------------------------------------------- every layout: "all-linear", fused gate_up, q/k/v bias
+
+LAYOUT_PROJECTIONS = {
+    "llama": ALL, "qwen2": ALL, "qwen3": ALL,
+    "glm": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
+
+
+def tiny_arch(arch, seed=0) -> Decoder:
+    torch.manual_seed(seed)
+    m = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                              intermediate_size=48, max_seq_len=32, arch=arch)).eval()
+    with torch.no_grad():        # biases start at 0: make them matter
+        for n, p in m.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(std=0.3)
+    return m
+
+
+@pytest.mark.parametrize("arch", list(LAYOUT_PROJECTIONS))
+def test_all_linear_wraps_every_projection_of_the_layout(arch):
+    m = tiny_arch(arch)
+    base = copy.deepcopy(m)
+    wrapped = inject_lora(m, "all-linear", r=4, alpha=8)
+    assert sorted({w.rsplit(".", 1)[-1] for w in wrapped}) == sorted(LAYOUT_PROJECTIONS[arch])
+    assert len(wrapped) == 2 * len(LAYOUT_PROJECTIONS[arch])
+    assert not any("lm_head" in w for w in wrapped)
+    if arch.startswith("glm"):
+        fused = m.model.layers[0].mlp.gate_up_proj
+        assert fused.lora_B.weight.shape == (96, 4) and fused.lora_A.weight.shape == (4, 64)
+    biased = [n for n, p in m.named_parameters() if n.endswith(".bias")]
+    assert bool(biased) is (arch in ("qwen2", "glm", "glm4"))
+    assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), base(x), atol=0, rtol=0)     # B = 0: the base model, bias included
+        randomise_b(m)
+        adapted = m(x)
+        assert not torch.allclose(adapted, base(x), atol=1e-3)
+        with lora_disabled(m):
+            torch.testing.assert_close(m(x), base(x), atol=1e-6, rtol=1e-6)
+        merge_lora(m)
+        torch.testing.assert_close(m(x), adapted, atol=1e-5, rtol=1e-5)
+    assert set(m.state_dict()) == set(base.state_dict())          # biases survive the merge
+
+
+@pytest.mark.parametrize("arch, targets, bad", [("glm4", ["q_proj", "gate_proj"], ["gate_proj"]),
+                                                ("glm", ["up_proj", "down_proj"], ["up_proj"]),
+                                                ("llama", ["gate_up_proj"], ["gate_up_proj"])])
+def test_targets_the_layout_lacks_are_refused_naming_the_supported_set(arch, targets, bad):
+    from model.lora import LoRAConfigError
+    m = tiny_arch(arch)
+    with pytest.raises(LoRAConfigError) as e:
+        inject_lora(m, targets, r=2, alpha=2)
+    msg = str(e.value)
+    assert f"lora.target_modules {bad} not found in the model ({arch} layout)" in msg
+    assert f"supported: {sorted(LAYOUT_PROJECTIONS[arch])} or 'all-linear'" in msg
+    assert not lora_modules(m)
+
+
+def test_lora_linear_keeps_a_frozen_bias():
+    lin = nn.Linear(6, 5, bias=True)
+    lora = LoRALinear(lin, r=3, alpha=6)
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    x = torch.randn(4, 6)
+    expected = x @ lora.merged_weight().T + lin.bias
+    torch.testing.assert_close(lora(x), expected, atol=1e-6, rtol=1e-5)
+    assert not lora.bias.requires_grad
+    lora.enabled = False
+    torch.testing.assert_close(lora(x), lin(x))
+
+
+@pytest.mark.parametrize("arch", list(LAYOUT_PROJECTIONS))
+def test_check_targets_knows_each_layout_without_building_it(arch):
+    """What preflight can check from a base model's config.json alone: the same set the built model has."""
+    from model.lora import LoRAConfigError, check_targets, layout_projections
+    m = tiny_arch(arch)
+    assert layout_projections(m.config) == sorted({n.rsplit(".", 1)[-1] for n in linear_names(m)})
+    check_targets(m.config, "all-linear")
+    check_targets(m.config, LAYOUT_PROJECTIONS[arch][:2])
+    wrong = "gate_proj" if arch.startswith("glm") else "gate_up_proj"
+    with pytest.raises(LoRAConfigError, match=rf"sft.lora.target_modules \['{wrong}'\] not found in the model "
+                                              rf"\({arch} layout\); supported: "):
+        check_targets(m.config, ["q_proj", wrong], "sft.lora.target_modules")
+
+
+@pytest.mark.parametrize("arch", ["glm4", "qwen2"])
+def test_fused_kernels_match_reference_on_biased_and_fused_layouts(arch):
+    """kernels: triton (the Triton interpreter on CPU) vs reference on a layout with q/k/v bias, and for GLM-4
+    a fused gate_up_proj (swiglu on its two halves), sandwich norms and GLM's RoPE (always the reference):
+    the LoRA model's logits and every trainable gradient."""
+    import kernels
+    results = {}
+    for backend in ("reference", "triton"):
+        kernels.use(backend)
+        try:
+            m = tiny_arch(arch)
+            inject_lora(m, "all-linear", r=4, alpha=8, modules_to_save=["lm_head"])
+            randomise_b(m, std=0.1)
+            m.train()
+            logits = m(ids())
+            logits.float().pow(2).mean().backward()
+            results[backend] = (logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+        finally:
+            kernels.use("auto")
+    (ref_logits, ref_grads), (tri_logits, tri_grads) = results["reference"], results["triton"]
+    torch.testing.assert_close(tri_logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert ref_grads.keys() == tri_grads.keys() and any("gate_up_proj" in n for n in ref_grads) is (arch == "glm4")
+    for n in ref_grads:
+        torch.testing.assert_close(tri_grads[n], ref_grads[n], atol=1e-5, rtol=1e-4, msg=n)

@@ -1,7 +1,6 @@
 """model/model.py: shapes, causality, tying, config I/O and greedy generation parity."""
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from model import Decoder, DecoderConfig
 from model.hf import save_hf
@@ -110,17 +109,23 @@ def test_generate_past_max_seq_len_uses_a_window():
         assert out[-1] == int(m(torch.tensor([ids[-17:-1]]))[0, -1].argmax())
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_generate_matches_transformers_greedy(tmp_path, tie):
-    m = tiny(tie_embeddings=tie, seed=2)
+def _greedy_both(m, tmp_path, prompt=(7, 8, 9, 100, 42)) -> tuple[list[int], list[int]]:
+    """Our greedy continuation and transformers' generate() on the exported model."""
+    from transformers import AutoModelForCausalLM
     save_hf(m, tmp_path, bos_id=None, eos_id=None, pad_id=None)
-    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    prompt = [7, 8, 9, 100, 42]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert theirs[0, :len(prompt)].tolist() == prompt
-    assert m.generate(prompt, max_new_tokens=10) == theirs[0, len(prompt):].tolist()
+    assert theirs[0, :len(prompt)].tolist() == list(prompt)
+    return m.generate(list(prompt), max_new_tokens=10), theirs[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_generate_matches_transformers_greedy(tmp_path, tie):
+    m = tiny(tie_embeddings=tie, seed=2)
+    ours, theirs = _greedy_both(m, tmp_path)
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -161,3 +166,88 @@ def test_activation_checkpointing_saves_fewer_activations():
             m(ids).sum()
         saved[ckpt] = count[0]
     assert saved[True] < 0.5 * saved[False]
+
+
+# ---------------------------------------------------------------- layouts (DecoderConfig.arch)
+
+def test_layouts_build_the_modules_of_their_hf_architecture():
+    shape = dict(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=96, num_layers=1)
+    names = {arch: {n for n, _ in tiny(arch=arch, **shape).named_parameters()} for arch in
+             ("llama", "qwen2", "qwen3", "glm", "glm4")}
+    layer = "model.layers.0."
+    assert layer + "mlp.gate_proj.weight" in names["llama"] and layer + "self_attn.q_proj.bias" not in names["llama"]
+    assert names["qwen2"] - names["llama"] == {layer + f"self_attn.{x}_proj.bias" for x in "qkv"}
+    assert names["qwen3"] - names["llama"] == {layer + "self_attn.q_norm.weight", layer + "self_attn.k_norm.weight"}
+    assert {layer + "mlp.gate_up_proj.weight", layer + "self_attn.v_proj.bias"} <= names["glm"]
+    assert layer + "mlp.gate_proj.weight" not in names["glm"] and layer + "self_attn.o_proj.bias" not in names["glm"]
+    assert names["glm4"] - names["glm"] == {layer + "post_self_attn_layernorm.weight", layer + "post_mlp_layernorm.weight"}
+
+
+def test_glm_config_defaults_and_rotary_dim():
+    cfg = DecoderConfig(vocab_size=9, hidden_size=64, num_heads=2, num_kv_heads=1, arch="glm4")
+    assert (cfg.attention_bias, cfg.partial_rotary_factor, cfg.rotary_dim) == (True, 0.5, 16)
+    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
+    assert DecoderConfig(vocab_size=9, hidden_size=64, num_heads=2, arch="glm", partial_rotary_factor=0.25).rotary_dim == 8
+    assert DecoderConfig(vocab_size=9, hidden_size=24, num_heads=2, num_kv_heads=1, arch="glm").rotary_dim == 6
+    with pytest.raises(ValueError, match="even number of rotated dims"):
+        DecoderConfig(vocab_size=9, hidden_size=20, num_heads=2, num_kv_heads=1, arch="glm")
+
+
+# ---------------------------------------------------------------- GLM RoPE: interleaved, partial (kernels.reference)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("D, factor", [(32, 0.5), (12, 0.5), (16, 1.0), (32, 0.25)])
+def test_glm_rope_matches_transformers(D, factor, dtype):
+    """Our reference tables + apply_rope(interleaved=True) against modeling_glm4's own, forward and gradients."""
+    from transformers import Glm4Config
+    from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding, apply_rotary_pos_emb
+    from kernels import reference as ref
+    B, H, Hkv, T = 2, 3, 1, 7
+    cfg = Glm4Config(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
+                     max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                                                  "partial_rotary_factor": factor})
+    pos = torch.stack([torch.arange(T) + 4 * b for b in range(B)])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, generator=g, dtype=dtype, requires_grad=True)
+    cos, sin = ref.rope_cos_sin(pos, int(D * factor), 500.0, interleaved=True)
+    hcos, hsin = Glm4RotaryEmbedding(cfg)(q, pos)            # rotate-half tables; GLM re-lays them inside
+    oq, ok = ref.apply_rope(q, k, cos, sin, interleaved=True)
+    tq, tk = apply_rotary_pos_emb(q, k, hcos, hsin)
+    torch.testing.assert_close(oq, tq, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ok, tk, atol=1e-6, rtol=1e-6)
+    if factor < 1:
+        torch.testing.assert_close(oq[..., int(D * factor):], q[..., int(D * factor):])   # the rest passes through
+    ours = torch.autograd.grad(oq.pow(2).sum() + (ok * 3).sum(), (q, k))
+    theirs = torch.autograd.grad(tq.pow(2).sum() + (tk * 3).sum(), (q, k))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_rope_dispatch_never_sends_glm_rope_to_the_triton_kernel(monkeypatch):
+    """The Triton kernel rotates whole heads in halves only: interleaved or partial tables must take the
+    reference even with kernels: triton; plain rotate-half still takes the kernel."""
+    import kernels
+    calls = []
+    monkeypatch.setattr(kernels, "_triton_op", lambda name: (calls.append(name), lambda *a: "triton")[1])
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)
+    pos = torch.arange(5)[None]
+    kernels.use("triton")
+    try:
+        for rotary, interleaved in ((16, True), (8, True), (8, False)):
+            cos, sin = kernels.rope_cos_sin(pos, rotary, 1e4, interleaved=interleaved)
+            out = kernels.apply_rope(q, k, cos, sin, interleaved=interleaved)
+            expected = kernels.reference.apply_rope(q, k, cos, sin, interleaved)
+            torch.testing.assert_close(out[0], expected[0])
+        assert calls == []
+        cos, sin = kernels.rope_cos_sin(pos, 16, 1e4)
+        assert kernels.apply_rope(q, k, cos, sin) == "triton" and calls == ["apply_rope"]
+    finally:
+        kernels.use("auto")
+
+
+@pytest.mark.parametrize("arch", ["glm", "glm4"])
+def test_glm_generate_matches_transformers_greedy(tmp_path, arch):
+    m = tiny(arch=arch, hidden_size=64, num_heads=2, num_kv_heads=1, seed=2)
+    ours, theirs = _greedy_both(m, tmp_path)
+    assert ours == theirs and len(set(ours)) > 1

@@ -92,3 +92,22 @@ def snapshot(*roots: Path, exclude: tuple[Path, ...] = ()) -> dict[str, str]:
 
 def changed(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def tiny_hf_base(root: Path, arch: str = "LlamaForCausalLM", **config) -> Path:
+    """A tiny HF model of class `arch` at random init with our tokenizer, in root/model (nothing from a hub)."""
+    import torch
+    import transformers
+    from data.tokenizer import load_tokenizer, train_tokenizer
+
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a small corpus with words and numbers {i * 7}" for i in range(300)))
+    train_tokenizer([corpus], root / "model", vocab_size=600)
+    tok = load_tokenizer(root / "model")
+    torch.manual_seed(0)
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    shape = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96,
+                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    getattr(transformers, arch)(config_class(**{**shape, **config})).save_pretrained(root / "model")
+    return root / "model"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.conftest import (REPO, USER_ERROR_EXIT, changed, error_line, run_cli, snapshot,
-                                        write_config)
+                                        tiny_hf_base, write_config)
 
 GOOD_SFT = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -155,25 +155,19 @@ def test_file_with_no_usable_rows(workdir):
     expect_user_error(workdir, cfg, "data.sft", "no usable rows")
 
 
+def test_most_of_a_split_dropped_is_an_error_not_a_quiet_loss(workdir):
+    bad = {"conversations": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}
+    path = jsonl(workdir / "chat.jsonl", [GOOD_SFT] * 10 + [bad] * 5)       # a third of the rows are bad
+    cfg = write_config(workdir, {"data": {"sft": str(path), "on_bad_row": "skip"}})
+    expect_user_error(workdir, cfg, "data.sft", "5 of 15 rows were dropped", "data.max_drop_fraction (0.2)",
+                      "bad_row 5")
+
+
 # ---------------------------------------------------------------- base models
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    """A tiny HF Llama at random init with our tokenizer (nothing from a hub)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from data.tokenizer import load_tokenizer, train_tokenizer
-
-    root = tmp_path_factory.mktemp("base")
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n".join(f"line {i} of a small corpus with words and numbers {i * 7}" for i in range(300)))
-    train_tokenizer([corpus], root / "model", vocab_size=600)
-    tok = load_tokenizer(root / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96,
-                                 tie_word_embeddings=False)).save_pretrained(root / "model")
-    return root / "model"
+    return tiny_hf_base(tmp_path_factory.mktemp("base"), tie_word_embeddings=False)
 
 
 def copy_of(base: Path, dest: Path) -> Path:

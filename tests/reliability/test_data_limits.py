@@ -53,7 +53,8 @@ def test_with_skip_the_long_line_is_counted_and_a_bad_eval_row_too(workdir):
     sft = _sft_with_long_line(workdir / "chat.jsonl")
     sft_eval = workdir / "chat_eval.jsonl"
     sft_eval.write_text("\n".join([json.dumps(GOOD_SFT), '{"conversations": [', json.dumps(GOOD_SFT)]) + "\n")
-    cfg = write_config(workdir, {"data": {"sft": str(sft), "sft_eval": str(sft_eval), "on_bad_row": "skip"}})
+    cfg = write_config(workdir, {"data": {"sft": str(sft), "sft_eval": str(sft_eval), "on_bad_row": "skip",
+                                          "max_drop_fraction": 0.5}})
     before = snapshot(workdir)
     proc = run_cli("stage", "data", "--config", str(cfg), cwd=workdir)
     after = snapshot(workdir)

@@ -1,5 +1,6 @@
-"""End to end: a tiny random Llama (and Qwen3: Llama + q/k norm, our `qk_norm`) + our tokenizer
-+ a PEFT adapter served by vLLM (CPU), started by the serve stage with an API key.
+"""End to end: a tiny random Llama (and Qwen3: Llama + q/k norm, our `arch: qwen3`) + our tokenizer
++ a PEFT adapter served by vLLM (CPU), started by the serve stage with an API key; and our own
+GLM-4-0414 export (merged model + the split LoRA adapter vLLM needs) with greedy parity.
 
 One server start serves both the base model and the adapter; vLLM's greedy answers
 must equal transformers' (and transformers + PEFT's) token for token in fp32. The same
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.schema import Config
+from configs.schema import Config, LoRAConfig
 from data.tokenizer import IM_END, load_tokenizer, train_tokenizer
 from serve import stage
 from serve import vllm_server as vs
@@ -203,3 +204,142 @@ def test_vllm_serves_base_and_lora_like_transformers(tmp_path: Path, arch: str, 
     # Server and its EngineCore child are gone (an orphaned zombie may stay: PID 1 here does not reap).
     assert not vs.is_running(handle.pid)
     assert not vs.port_in_use(handle.host, handle.port)
+
+
+# ---------------------------------------------------------------- GLM layouts: our export in vLLM
+
+def _glm_export(tmp: Path, arch: str = "glm4"):
+    """The DAG's path on a tiny random Glm4ForCausalLM or GlmForCausalLM (hidden 64, 2 heads of 32: a vLLM CPU
+    head size; half of each head rotated, q/k/v bias, fused gate_up_proj; GLM-4-0414 adds sandwich norms):
+    import it into our decoder, a LoRA on every projection (gate_up_proj included) as SFT and another as DPO,
+    then the export stage writes export/merged, the PEFT adapters and (GLM-4-0414) their split vLLM forms."""
+    import transformers
+
+    from artifacts import MANIFEST
+    from engine.stages import load_policy, save_adapter
+    from export import export
+    from model import inject_lora
+    from model.hf import HF_ARCHITECTURES, load_hf, save_native
+    from model.lora import lora_modules
+
+    hf_dir = tmp / "hf"
+    train_tokenizer([_corpus(tmp / "corpus.jsonl")], hf_dir, vocab_size=400)
+    tok = load_tokenizer(hf_dir)
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    torch.manual_seed(0)
+    hf_class = HF_ARCHITECTURES[arch]
+    config_class = getattr(transformers, hf_class.replace("ForCausalLM", "Config"))
+    config = config_class(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                          initializer_range=0.1, bos_token_id=tok.bos_token_id, eos_token_id=im_end,
+                          pad_token_id=tok.pad_token_id)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5 and config.attention_bias
+    hf = getattr(transformers, hf_class)(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias") or "norm" in name:   # biases 0 and norms 1 at init: make them matter
+                p.add_(0.2 * torch.randn_like(p))
+    hf.save_pretrained(hf_dir, safe_serialization=True)   # (its adapted answer stops at <|im_end|> by itself)
+
+    stage_dirs = {name: tmp / name for name in ("base", "sft", "dpo")}
+    for d in stage_dirs.values():
+        d.mkdir()
+        (d / MANIFEST).write_text(json.dumps({"metrics": {}}))
+    save_native(load_hf(hf_dir), stage_dirs["base"])
+    lora = LoRAConfig(r=8, alpha=16)           # target_modules: all-linear
+    for name, std in (("sft", 0.2), ("dpo", 0.1)):
+        model = load_policy(stage_dirs["base"], *([stage_dirs["sft"]] if name == "dpo" else []))
+        inject_lora(model, lora.target_modules, lora.r, lora.alpha)
+        with torch.no_grad():
+            for m in lora_modules(model).values():
+                m.lora_B.weight.normal_(std=std)
+        save_adapter(model, lora, stage_dirs[name])
+    cfg = Config(run_name=arch, runs_dir=tmp / "runs", eval={"enabled": False})
+    out = tmp / "out"
+    out.mkdir()
+    meta = export(cfg, stage_dirs["base"], stage_dirs["sft"], stage_dirs["dpo"], hf_dir, out)
+    assert meta["vllm_split_adapters"] is (arch == "glm4")
+    assert json.loads((out / "merged" / "config.json").read_text())["architectures"] == [hf_class]
+    return tok, out
+
+
+def _our_greedy(model, tok, messages) -> list[int]:
+    """Our decoder's greedy tokens, byte tokens suppressed as on the other sides (no KV cache: tiny model)."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    im_end, banned = tok.convert_tokens_to_ids(IM_END), _byte_ids(tok)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = model(torch.tensor([ids + out]))[0, -1]
+            logits[banned] = float("-inf")
+            out.append(int(logits.argmax()))
+            if out[-1] == im_end:
+                break
+    return out
+
+
+def _our_logprobs(model, tok, messages, answer: list[int]) -> torch.Tensor:
+    """log p(token) of each answer token under our decoder (raw logits, no suppression)."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        logp = model(torch.tensor([ids + answer]))[0, len(ids) - 1:-1].log_softmax(-1)
+    return logp.gather(-1, torch.tensor(answer)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("arch", ["glm4", "glm"])
+def test_vllm_serves_our_glm_export_and_its_lora(tmp_path: Path, arch: str, monkeypatch) -> None:
+    """One server per layout: the serve stage promotes export/merged and also loads adapters/sft.
+    glm4 (Glm4ForCausalLM, native in vLLM) gets the split form adapters/sft-vllm (it refuses LoRA on the
+    fused gate_up_proj); glm (GlmForCausalLM, vLLM's Transformers backend) the fused PEFT adapter as it is.
+    vLLM puts an adapter on the model it serves, so the LoRA answer is compared with the same adapter on the
+    same weights (export/merged) in transformers + PEFT (fused form) and in our decoder."""
+    import transformers
+    from peft import PeftModel
+
+    from engine.stages import apply_adapter
+    from model.hf import HF_ARCHITECTURES, load_hf
+
+    t0 = time.monotonic()
+    tok, out = _glm_export(tmp_path, arch)
+    merged_dir, adapter_dir = out / "merged", out / "adapters" / "sft"
+    ours = load_hf(merged_dir).eval()
+    base_ids = _our_greedy(ours, tok, MESSAGES)
+    ours_lora = apply_adapter(load_hf(merged_dir), tmp_path / "sft", merge=False).eval()   # our adapter format
+    lora_ids = _our_greedy(ours_lora, tok, MESSAGES)
+    hf = getattr(transformers, HF_ARCHITECTURES[arch]).from_pretrained(merged_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, adapter_dir).eval()
+    assert _hf_greedy(peft_model, tok, MESSAGES) == lora_ids, "transformers + PEFT (fused) != our decoder + adapter"
+    with peft_model.disable_adapter():
+        assert _hf_greedy(peft_model, tok, MESSAGES) == base_ids, "transformers != our decoder on export/merged"
+    assert base_ids != lora_ids, "the adapter should change the greedy answer"
+    print(f"\n{arch} export + references: {time.monotonic() - t0:.1f}s; base {len(base_ids)} tokens, "
+          f"lora {len(lora_ids)}")
+
+    key = "glm-lora-test-" + secrets.token_urlsafe(24)
+    monkeypatch.setenv(KEY_ENV, key)
+    t1 = time.monotonic()
+    cfg, result = _serve_stage(tmp_path, merged_dir, adapter_dir, monkeypatch)
+    record = json.loads((cfg.stage_dir("serve") / "server.json").read_text())
+    handle = vs.ServerHandle(record["pid"], cfg.serve.host, cfg.serve.port, "tiny", record["log"])
+    try:
+        print(f"serve stage (vLLM ready + answer) in {time.monotonic() - t1:.1f}s: {result['answer']!r}, "
+              f"in-process {result['inprocess_answer']!r}")
+        log = Path(record["log"]).read_text(errors="replace")
+        served = adapter_dir.with_name("sft-vllm") if arch == "glm4" else adapter_dir
+        assert f"tiny-lora={served.resolve()}" in log
+        for name, expected, model in (("tiny", base_ids, ours), ("tiny-lora", lora_ids, ours_lora)):
+            body = {"model": name, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "return_token_ids": True, "logprobs": True, **_no_bytes(tok)}
+            choice = vs.post_json(handle, "/v1/chat/completions", body, api_key=key)["choices"][0]
+            ids, text = choice["token_ids"], choice["message"]["content"]
+            assert ids == expected, f"{name}: vLLM {ids} != ours {expected}"
+            assert text == tok.decode(expected, skip_special_tokens=True)
+            # vLLM's logprobs are the raw model's (before logit_bias): the same numbers as ours, to fp32 noise
+            theirs = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]])
+            diff = (theirs - _our_logprobs(model, tok, MESSAGES, ids)).abs().max().item()
+            print(f"{arch} {name}: {len(ids)} tokens equal to ours, chosen-token logprob max abs diff {diff:.1e}, "
+                  f"text {text!r}")
+            assert diff < 1e-4
+    finally:
+        vs.stop_server(handle.pid)
+    assert not vs.is_running(handle.pid)

@@ -8,6 +8,7 @@ small, JSON-serialisable, and a cache key ingredient.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterator
 from configs.errors import UserError
 
 MANIFEST = "manifest.json"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -50,6 +52,13 @@ def source_hash(root: Path, packages: tuple[str, ...]) -> str:
             h.update(f.relative_to(root).as_posix().encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def code_version(packages: tuple[str, ...]) -> str:
+    """The code version of what `packages` make (a stage, a token store, a checkpoint): one hash of
+    their Python sources in this repository, computed once per process."""
+    return source_hash(REPO, packages)
 
 
 def sha256_json(obj: Any) -> str:
@@ -219,17 +228,24 @@ def staging_dir(final: Path, owns: Callable[[Path], bool]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if final.exists():
-        old = final.parent / scratch_name(final, "old")
+    swap_into_place(tmp, final, final.parent / scratch_name(final, "old"))
+
+
+def swap_into_place(tmp: Path, final: Path, old: Path) -> None:
+    """Rename the finished `tmp` to `final`; an existing `final` is first renamed to `old` (removed
+    after the swap). A crash between the two renames leaves `old` and no `final`, never half of one."""
+    moved = final.exists()
+    if moved:
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    if old is not None:
+    fsync(final.parent)
+    if moved:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync a file or a directory (a directory: so the renames in it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -80,6 +80,17 @@ def _acquire(run_dir: Path):
     return f
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (someone else's counts: we may not signal it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def clean_scratch(run_dir: Path) -> list[str]:
     """Put back or remove the scratch entries of dead writers in `run_dir`; return what was done."""
     done = []

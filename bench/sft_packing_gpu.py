@@ -35,7 +35,6 @@ def run(provider: str, args, src) -> dict:
     model = Decoder(cfg).cuda()
     inject_lora(model, TARGETS, r=64, alpha=128)
     opt = build_optimizer(model, 2e-4, 0.0, fused=True)
-    kernels.use("auto", "sdpa" if provider == "packed_dense" else "flex")
     order = iter(EpochSampler(len(src), seed=0))
     if provider == "padded":
         batches = padded_batches(src, order, batch_size=8)
@@ -81,7 +80,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     args = ap.parse_args()
     src = RandomSFT(skewed_lengths(args.samples), args.vocab)
-    results = {p: run(p, args, src) for p in ("padded", "packed", "packed_dense")}
+    results = {}
+    for p in ("padded", "packed", "packed_dense"):
+        with kernels.using("auto", "sdpa" if p == "packed_dense" else "flex"):
+            results[p] = run(p, args, src)
     for p, r in results.items():
         print(f"{p:13s} {r['real_tokens_per_s']:>10.0f} real tok/s  eff {r['token_efficiency']:.3f}  "
               f"{r['step_ms']:.1f} ms/step  peak {r['peak_mem_gb']:.1f} GB")

@@ -226,7 +226,7 @@ def setup(args) -> tuple[list[str], torch.device, int, int]:
 
 
 def result_name(base: str, args) -> str:
-    """bench/results/<name>.json: one file per precision (bf16 unsuffixed) and for smoke runs."""
+    """The <name> of bench/results/<name>_<date>_<commit>.json: one per precision (bf16 unsuffixed) and for smoke runs."""
     return base + ("" if args.precision == "bf16" else f"_{args.precision}") + ("_smoke" if args.smoke else "")
 
 

@@ -40,6 +40,21 @@ def parse_value(text: str) -> Any:
         raise ConfigError(f"override value {quote(text)} is not valid YAML: {getattr(e, 'problem', None) or e}") from None
 
 
+MISSING = object()
+
+
+def get_dotted(tree: Mapping, dotted: str, default: Any = MISSING) -> Any:
+    """`tree["a"]["b"]` for "a.b"; `default` where a part is missing (KeyError if none is given)."""
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            if default is MISSING:
+                raise KeyError(dotted)
+            return default
+        node = node[part]
+    return node
+
+
 def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
     out = copy.deepcopy(raw)
     for dotted, value in overrides.items():
@@ -97,8 +112,3 @@ def load_config(name_or_path: str | Path = "tiny", overrides: Mapping[str, Any] 
         given = f" + overrides {json.dumps(dict(overrides), default=str)[:300]}" if overrides else ""
         raise ConfigError(_explain(err, f"({path}{given})")) from None
 
-
-def section_dict(cfg: Config, *keys: str) -> dict:
-    """JSON-able dict of the named sections (used in cache keys and manifests)."""
-    full = cfg.model_dump(mode="json")
-    return {k: full[k] for k in keys}

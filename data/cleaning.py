@@ -78,18 +78,6 @@ class CleanReport:
             self.examples.setdefault(reason, []).append(
                 message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS - 1] + "…")
 
-    def merge(self, other: CleanReport) -> None:
-        """Add another report's counts (e.g. one per input file) into this one."""
-        self.rows += other.rows
-        self.kept += other.kept
-        self.truncated += other.truncated
-        self.prompt_truncated += other.prompt_truncated
-        for reason, n in other.dropped.items():
-            self.dropped[reason] = self.dropped.get(reason, 0) + n
-        for reason, messages in other.examples.items():
-            for m in messages:
-                self._example(reason, m)
-
     def as_dict(self) -> dict:
         """JSON-able, for metrics, manifests and Prefect artifacts."""
         return {"rows": self.rows, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),

@@ -17,12 +17,12 @@ Batch dict (int64 tensors unless noted):
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Iterator, Protocol
 
 import numpy as np
 import torch
 
-IGNORE = -100
+from data.token_store import IGNORE
 
 
 class ExampleSource(Protocol):

@@ -8,15 +8,13 @@ pinned buffer alive until its copy has finished. Only top-level tensor values ar
 other value (e.g. a `data_state` snapshot for checkpointing, see data/sampler.py) passes through
 untouched.
 
-`last_wait_s` is the io-wait of the latest step: how long the consumer was blocked getting the
-batch (the queue wait; with depth=0, building the batch itself). The device copy is not
-counted: it is queued, not waited for.
+The training loop times its own io-wait around `next()` (engine/trainer.py): the queue wait, or with
+depth=0 building the batch itself; the device copy is queued, not waited for.
 """
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Iterator
 
 import torch
@@ -82,8 +80,6 @@ class Prefetcher:
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.depth = depth
-        self.last_wait_s = 0.0
-        self.total_wait_s = 0.0
         self._batches = iter(batches)
         self._done = False
         self._closed = False
@@ -103,28 +99,23 @@ class Prefetcher:
             raise RuntimeError("Prefetcher is closed")
         if self._done:
             raise StopIteration
-        t0 = time.perf_counter()
-        try:
-            if self._thread is None:
-                try:
-                    batch = next(self._batches)
-                except BaseException:
-                    self._done = True      # like a generator: once it has ended or failed, it stays ended
-                    raise
-                if self.pin_memory:
-                    batch = _pin(batch)
-            else:
-                item = self._queue.get()
-                if isinstance(item, (_End, _Failed)):
-                    self._done = True
-                    self._thread.join()    # it returns right after putting these
-                    if isinstance(item, _End):
-                        raise StopIteration
-                    raise item.exc         # keeps the producer's traceback, adds ours on top
-                batch = item
-        finally:
-            self.last_wait_s = time.perf_counter() - t0
-            self.total_wait_s += self.last_wait_s
+        if self._thread is None:
+            try:
+                batch = next(self._batches)
+            except BaseException:
+                self._done = True      # like a generator: once it has ended or failed, it stays ended
+                raise
+            if self.pin_memory:
+                batch = _pin(batch)
+        else:
+            item = self._queue.get()
+            if isinstance(item, (_End, _Failed)):
+                self._done = True
+                self._thread.join()    # it returns right after putting these
+                if isinstance(item, _End):
+                    raise StopIteration
+                raise item.exc         # keeps the producer's traceback, adds ours on top
+            batch = item
         return {k: v.to(self.device, non_blocking=self.pin_memory) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 

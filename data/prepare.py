@@ -1,4 +1,4 @@
-"""The data and tokenizer stages as plain functions: `fn(..., out_dir) -> metrics`."""
+"""The data and tokenizer stages as plain functions: `fn(cfg, inputs, out_dir) -> metrics`."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from artifacts import sha256_path
-from configs.schema import DataConfig
+from configs.schema import Config, DataConfig
 from data import formats, synthetic
 from data.cleaning import CleanReport
 from data.formats import MAX_LINE_BYTES, DataError
@@ -21,6 +21,16 @@ SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretr
 SOURCES = "sources.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
+
+
+def data_stage(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
+    """The data stage (tasks/table.py): generate / validate every split, hold out eval rows."""
+    return prepare_data(cfg.data, out_dir, eval_rows=cfg.eval.max_rows)
+
+
+def tokenizer_stage(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
+    """The tokenizer stage: train the BPE on the pretraining text, or take the base model's."""
+    return prepare_tokenizer(inputs["data"], cfg.tokenizer.vocab_size, out_dir, base_model=cfg.base_model)
 
 
 def check_user_paths(cfg: DataConfig) -> dict[str, Path]:

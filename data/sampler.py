@@ -3,20 +3,24 @@
 Epoch e is a permutation drawn from (seed, e) alone, so any epoch can be rebuilt without
 replaying earlier ones; rank r of world_size takes positions r, r + world_size, ... of it.
 
-Resume contract (what a checkpoint stores):
-- The sampler is its own iterator. `state_dict()` counts indices *handed out* by `next()`:
-  taken after k `next()` calls and loaded into a fresh sampler, the fresh one's first `next()`
-  returns what the old one's (k+1)-th would have. `peek(k)` looks ahead without consuming.
-- A packer that pulls indices into a lookahead buffer owns those indices: its own state must
+State, `state_dict()` (plain JSON): `epoch` and `position` say how far `next()` has got — the epoch
+of the last index handed out and how many of this rank's indices of it were handed out (0, 0 before
+the first) — and `n`, `seed`, `world_size`, `rank`, `shuffle`, `drop_last` say which order it is;
+`load_state_dict` refuses a state of another order. Loaded into a fresh sampler, the state taken
+after k `next()` calls makes the fresh one's first `next()` return what the old one's (k+1)-th would.
+
+Resume contract:
+- A packer that pulls indices into a look-ahead buffer owns those indices: its own state must
   hold the buffer contents (pulled, not yet emitted), and resume = load the sampler state +
   restore the buffer. Indices are never "given back" to the sampler.
 - With a prefetcher, the producer runs ahead of training, so the sampler's live state is ahead
-  of what has been trained on. The producer therefore snapshots `{"sampler": sampler.state_dict(),
-  "buffer": [...]}` into each batch it builds (a non-tensor value, passed through untouched), and
-  the checkpoint saves the snapshot of the last batch *consumed*. The sampler is not
-  thread-safe: only the producer thread touches it.
-- Each rank has its own state (token-budget packing makes ranks consume at different rates),
-  so a checkpoint stores one per rank.
+  of what has been trained on. The batch builders (data/packing.py) therefore snapshot
+  `{"order": sampler.state_dict(), "packer": {"buffer": [...]} or None}` into each batch they build
+  (`data_state`, a non-tensor value passed through untouched), and the checkpoint saves the
+  snapshot of the last batch *consumed*. The sampler is not thread-safe: only the producer thread
+  touches it.
+- Rank and world size only shard the order; nothing here starts processes or joins a process group,
+  and a checkpoint holds the one `data_state` of the process that wrote it.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ class EpochSampler:
 
     @classmethod
     def from_env(cls, n: int, *, seed: int, **kwargs) -> "EpochSampler":
-        """Rank and world size from torchrun's RANK / WORLD_SIZE (0 / 1 when unset)."""
+        """Rank and world size from the RANK / WORLD_SIZE environment variables (0 / 1 when unset)."""
         return cls(n, seed=seed, rank=int(os.environ.get("RANK", 0)),
                    world_size=int(os.environ.get("WORLD_SIZE", 1)), **kwargs)
 
@@ -93,19 +97,8 @@ class EpochSampler:
         self._position += 1           # before returning: the state counts what the caller has
         return i
 
-    def peek(self, k: int) -> list[int]:
-        """The next k indices, without consuming them (may run into later epochs)."""
-        out: list[int] = []
-        epoch, pos = self._epoch, self._position
-        while len(out) < k:
-            if pos == self.num_samples:
-                epoch, pos = epoch + 1, 0
-            take = self.epoch_order(epoch)[pos:pos + k - len(out)]
-            out.extend(int(i) for i in take)
-            pos += len(take)
-        return out
-
     def state_dict(self) -> dict:
+        """Where `next()` has got (epoch, position) and which order this is (see the module docstring)."""
         return {"epoch": self._epoch, "position": self._position, "seed": self.seed, "n": self.n,
                 "world_size": self.world_size, "rank": self.rank, "shuffle": self.shuffle,
                 "drop_last": self.drop_last}

@@ -32,7 +32,7 @@ from artifacts import sha256_json, staging_dir
 
 log = logging.getLogger("glm_lora.data")
 
-IGNORE = -100
+IGNORE = -100          # the label of a position that carries no loss (the one definition)
 FORMAT = "glm-lora-token-store/1"
 TOKENS, LABELS, OFFSETS, META = "tokens.npy", "labels.npy", "offsets.npy", "meta.json"
 _ARRAYS = {TOKENS: np.dtype("<i4"), LABELS: np.dtype("<i4"), OFFSETS: np.dtype("<i8")}
@@ -123,14 +123,6 @@ class TokenStore:
         return f"TokenStore({str(self.path)!r}, examples={len(self)}, tokens={len(self.tokens)})"
 
 
-def write_token_store(examples: Iterable[Example], out_dir: Path, *, group_size: int = 1,
-                      meta: dict | None = None, chunk_tokens: int = 1 << 22, key: str | None = None) -> TokenStore:
-    """Stream `examples` into a store at `out_dir` (built in a temp dir, renamed into place; replaces any old one)."""
-    with staging_dir(out_dir, _is_store) as tmp:
-        _write(examples, tmp, group_size=group_size, meta_fn=lambda: meta or {}, chunk_tokens=chunk_tokens, key=key)
-    return TokenStore.open(out_dir)
-
-
 def cached_token_store(cache_root: Path, key_parts: dict, build: Callable[[], Iterable[Example]], *,
                        group_size: int = 1, meta_fn: Callable[[], dict] | None = None,
                        chunk_tokens: int = 1 << 22) -> TokenStore:
@@ -138,8 +130,8 @@ def cached_token_store(cache_root: Path, key_parts: dict, build: Callable[[], It
 
     key = sha256 of key_parts; the store lives in cache_root/<key[:16]>. `build()` is only called
     on a miss; `meta_fn()` is called after build()'s examples are exhausted, so it can report
-    counts gathered while streaming (e.g. the clean report). Concurrent builders (torchrun ranks,
-    parallel stages) serialise on a lock file: the first builds, the rest open its result.
+    counts gathered while streaming (e.g. the clean report). Concurrent builders (processes or
+    threads, e.g. parallel stages) serialise on a lock file: the first builds, the rest open its result.
     """
     key = sha256_json(key_parts)
     final = Path(cache_root).resolve() / key[:16]
@@ -217,7 +209,7 @@ def _as_ids(x, what: str, i: int) -> np.ndarray:
 
 
 def _write(examples: Iterable[Example], out: Path, *, group_size: int, meta_fn: Callable[[], dict],
-           chunk_tokens: int, key: str | None) -> None:
+           chunk_tokens: int, key: str) -> None:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     tokens = _NpyAppender(out / TOKENS, _ARRAYS[TOKENS], chunk_tokens)

@@ -22,18 +22,15 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from artifacts import sha256_file
+from artifacts import code_version, sha256_file
 from data.cleaning import CleanReport
-from data.token_store import TokenStore, cached_token_store
+from data.token_store import IGNORE, TokenStore, cached_token_store
 from data.tokenizer import ChatRowError, chat_tokens, prompt_ids, tokenize_chat
 
-IGNORE = -100
 OVERLONG = ("truncate_prompt", "truncate", "drop")   # data.overlong
 Example = tuple[list[int], list[int]]
 BATCH_CHARS = 1 << 20     # characters tokenised in one call (several documents)
 SEGMENT_CHARS = 1 << 20   # a longer pretraining document is tokenised a segment at a time
-CODE = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes()
-                               for f in ("tokenize.py", "tokenizer.py", "formats.py", "cleaning.py"))).hexdigest()[:16]
 
 
 def tokenizer_digest(tokenizer_dir: Path) -> str:
@@ -329,6 +326,6 @@ def tokenized(kind: str, data_sha256: str, tokenizer_dir: Path, examples: Iterab
               settings: dict, report: CleanReport) -> TokenStore:
     """Cached by tokenizer + data content + settings + this code; `examples` is consumed only on a miss."""
     key = {"kind": kind, "tokenizer": tokenizer_digest(tokenizer_dir), "data": data_sha256,
-           "settings": settings, "code": CODE}
+           "settings": settings, "code": code_version(("data",))}
     return cached_token_store(Path(cache_root), key, lambda: examples, group_size=2 if kind == "dpo" else 1,
                               meta_fn=lambda: {"clean": report.as_dict()})

@@ -34,6 +34,7 @@ import sentencepiece as spm
 from configs.errors import UserError, quote
 from data.cleaning import CleanReport
 from data.formats import MAX_LINE_BYTES, DataError, read_pretrain
+from data.token_store import IGNORE as IGNORE_INDEX
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -51,7 +52,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-IGNORE_INDEX = -100
 # One token per role name: the chat wrapper around a short turn would otherwise outweigh the turn
 # itself (letters never merge, so "assistant" alone would be 9 tokens).
 CHAT_ROLES = ("system", "user", "assistant")

@@ -1,11 +1,18 @@
-"""Checkpoints on disk: atomic, verified, written in the background; the loop decides when.
+"""Checkpoints: the loop's `Checkpointer` (resume, scheduled saves, best weights) over the files of
+a `CheckpointManager` (atomic, verified, written in the background).
+
+The loop sees three calls: `restore(model, opt) -> TrainState | None` on start, `maybe_save(...)` at
+each step boundary, `save_best(...)` / `restore_best(...)` around validation. Everything a resume
+needs is behind them: the config compatibility check, weight matching, optimizer and RNG restore,
+file verification. `Checkpointer.for_stage` is the one place that decides which directory a
+stage's checkpoints live in and which settings a resume must match.
 
 One checkpoint is a directory `root/step-XXXXXXXX/` (8-digit, zero-padded step):
 
     model.safetensors    trainable weights only (LoRA stages: the adapter)
     optimizer.pt.zst     torch.save(optimizer.state_dict()), zstandard level 3 (absent in model-only saves)
     rng.json             python / numpy / torch CPU / CUDA generator states (see capture_rng)
-    trainer_state.json   whatever the loop passes: step, epoch, tokens, config + hash, data_state, losses
+    trainer_state.json   the TrainState fields + config, config_hash, code_version, max_steps, epoch
     manifest.json        written last: sha256 + size of every file above, the optimizer's raw and
                          compressed sizes, and a checksum of the manifest itself
 
@@ -38,7 +45,7 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +54,10 @@ import safetensors.torch
 import torch
 import zstandard
 
-from artifacts import sha256_file, sha256_json
+from artifacts import code_version, fsync, read_manifest, sha256_file, sha256_json, swap_into_place
+from artifacts.lock import pid_alive
 from configs.errors import UserError
+from configs.schema import CheckpointConfig, Config, TrainConfig
 
 MODEL, OPTIMIZER, RNG, TRAINER_STATE, MANIFEST = (
     "model.safetensors", "optimizer.pt.zst", "rng.json", "trainer_state.json", "manifest.json")
@@ -57,6 +66,7 @@ FORMAT = "glm-lora-checkpoint/1"
 ZSTD_LEVEL = 3          # the issue's choice; fp32 moments barely compress at any level, so stay fast
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SCRATCH_DIR = re.compile(r"^\.(?:tmp|old)-(?:step-\d{8,}|best)-(\d+)$")     # our temp / replaced dirs, by pid
+CODE_VERSION = code_version(("data", "engine", "kernels", "model"))
 
 
 class CheckpointError(RuntimeError):
@@ -70,6 +80,10 @@ class CorruptCheckpoint(CheckpointError):
 class CheckpointUnusable(CheckpointError, UserError):
     """Checkpoints exist but none verifies, or the best weights don't: resuming would silently
     restart (and overwrite the good best weights), so the stage stops and says what to do."""
+
+
+class IncompatibleResumeError(UserError, RuntimeError):
+    """The newest checkpoint was made with settings a resume must match (see Checkpointer.for_stage)."""
 
 
 @dataclass
@@ -218,30 +232,12 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)     # works for files and directories alike on POSIX
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _manifest_checksum(manifest: dict) -> str:
     return sha256_json({k: v for k, v in manifest.items() if k != "manifest_sha256"})
 
 
 def _step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:         # someone else's live process
-        return True
-    return True
 
 
 # ---------------------------------------------------------------- manager
@@ -336,7 +332,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
             safetensors.torch.save_file(weights, str(tmp / MODEL), metadata={"format": "pt"})
-            _fsync(tmp / MODEL)
+            fsync(tmp / MODEL)
             opt_sizes = None
             if optimizer is not None:
                 buf = io.BytesIO()
@@ -356,7 +352,7 @@ class CheckpointManager:
             manifest["manifest_sha256"] = _manifest_checksum(manifest)
             manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
             _write_file(tmp / MANIFEST, manifest_bytes)
-            _fsync(tmp)
+            fsync(tmp)
             self._publish(tmp, self.root / _step_dir_name(step))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -379,15 +375,7 @@ class CheckpointManager:
         """Rename into place. Re-saving an existing step (a model-only save, then the stop-signal
         save with optimizer state) swaps it through `.old-*`; a crash between those two renames
         loses that one step, never an older checkpoint."""
-        old = None
-        if final.exists():
-            old = self.root / f".old-{final.name}-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(self.root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, final, self.root / f".old-{final.name}-{os.getpid()}")
 
     def _prune(self) -> None:
         """Keep the keep_last newest complete checkpoints + the newest with optimizer state;
@@ -425,12 +413,12 @@ class CheckpointManager:
             tmp.mkdir()
             safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / MODEL),
                                         metadata={"format": "pt"})
-            _fsync(tmp / MODEL)
+            fsync(tmp / MODEL)
             manifest = {"format": FORMAT, "step": step, "val_loss": val_loss,
                         "files": {MODEL: {"sha256": sha256_file(tmp / MODEL), "size": (tmp / MODEL).stat().st_size}}}
             manifest["manifest_sha256"] = _manifest_checksum(manifest)
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            _fsync(tmp)
+            fsync(tmp)
             self._publish(tmp, self.root / BEST)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -527,7 +515,7 @@ class CheckpointManager:
             if not m or p == self._writing:
                 continue
             pid = int(m.group(1))
-            if pid == os.getpid() or not _pid_alive(pid):
+            if pid == os.getpid() or not pid_alive(pid):
                 self.log.info("removing leftover %s (an interrupted save)", p.name)
                 shutil.rmtree(p, ignore_errors=True)
 
@@ -585,3 +573,206 @@ class CheckpointManager:
             raise bad(TRAINER_STATE, f"not loadable ({e})") from None
         return Checkpoint(step=step, path=path, weights=weights, optimizer=optimizer, rng=rng,
                           trainer_state=trainer_state, manifest=manifest)
+
+
+# ---------------------------------------------------------------- the loop's state
+
+@dataclass
+class TrainState:
+    """The training loop's state: what a checkpoint's trainer_state.json holds (beside the config,
+    code version, max_steps and epoch the Checkpointer adds) and a resume starts from."""
+
+    step: int = 0                       # optimizer steps done
+    tokens: int = 0                     # real (non-padding) tokens trained on
+    losses: list[float] = field(default_factory=list)       # the loss of every step
+    skipped: int = 0                    # batches skipped for a non-finite loss (nonfinite: skip)
+    data_state: dict | None = None      # sampler + packer position after the last batch trained on
+    val_losses: list[list] = field(default_factory=list)    # [step, validation loss] per validation
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    bad_evals: int = 0                  # validations in a row without improvement
+    stopped_early: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainState":
+        """From a trainer_state.json; the extra keys (config, epoch, ...) are the Checkpointer's."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+    def advance(self, loss: float, tokens: int, data_state: dict | None) -> int:
+        """Count one optimizer step (its loss, tokens, the data position after it); the new step."""
+        self.step += 1
+        self.tokens += tokens
+        self.losses.append(loss)
+        self.data_state = data_state
+        return self.step
+
+    def validated(self, val_loss: float, min_delta: float, patience: int) -> bool:
+        """Record a validation at this step; True if it is the new best (lower by more than min_delta).
+        After `patience` validations in a row without one (0 = never), stopped_early is set."""
+        self.val_losses.append([self.step, val_loss])
+        if self.best_val_loss is None or val_loss < self.best_val_loss - min_delta:
+            self.best_val_loss, self.best_step, self.bad_evals = val_loss, self.step, 0
+            return True
+        self.bad_evals += 1
+        self.stopped_early = bool(patience) and self.bad_evals >= patience
+        return False
+
+
+# ---------------------------------------------------------------- the loop's checkpointer
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _copy_into(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in weights.items():
+            params[n].copy_(t)
+
+
+class Checkpointer:
+    """What the training loop asks of checkpoints: resume, scheduled saves, the best weights.
+
+    Files go through a CheckpointManager under `root`; without a root nothing is written, restore
+    finds nothing and the best weights are kept in memory only. `run_config` is saved in every
+    checkpoint and must match, key by key, for a resume (else IncompatibleResumeError names the keys).
+    `name` (the stage) names it in messages. Close it (or use `with`) to wait for the last write.
+    """
+
+    log = logging.getLogger("glm_lora.engine")      # its messages are the stage's, beside the loop's
+
+    def __init__(self, root: Path | None = None, cfg: CheckpointConfig | None = None, *,
+                 run_config: dict | None = None, name: str = "train"):
+        self.cfg, self.run_config, self.name = cfg or CheckpointConfig(), run_config or {}, name
+        self.store = (CheckpointManager(root, keep_last=self.cfg.keep_last, async_save=self.cfg.async_save)
+                      if root is not None else None)
+        self.root = self.store.root if self.store else None
+        self._best: dict[str, torch.Tensor] | None = None      # of TrainState.best_step, on CPU
+
+    @classmethod
+    def for_stage(cls, cfg: Config, stage: str, tc: TrainConfig, inputs: list[Path],
+                  model: torch.nn.Module) -> "Checkpointer":
+        """The one place that says whose checkpoints these are.
+
+        A resume must match `run_config` (refused naming the key): the model's shape (`model.config`)
+        when the stage trains all of it, else the LoRA settings; the input artifacts, seq_len,
+        batch_size and packing. The directory is named by a hash of everything that shapes the run: the
+        stage's section except max_steps/log_every (a changed max_steps resumes), the model section,
+        device, precision, kernels, attention and the inputs; any other change starts a fresh directory.
+        """
+        digests = [read_manifest(p)["digest"] for p in inputs]
+        lora = getattr(tc, "lora", None)
+        run_config = {"model": model.config.to_dict() if lora is None else None,
+                      "lora": lora.model_dump(mode="json") if lora is not None else None,
+                      "inputs": digests, "seq_len": tc.seq_len, "batch_size": tc.batch_size, "packing": tc.packing}
+        key = sha256_json({"stage": stage, "section": tc.model_dump(mode="json", exclude={"max_steps", "log_every"}),
+                           "model": cfg.model.model_dump(mode="json"), "device": cfg.device,
+                           "precision": cfg.precision, "kernels": cfg.kernels, "attention": cfg.attention,
+                           "inputs": digests})
+        return cls(cfg.run_dir / "checkpoints" / f"{stage}-{key[:12]}", cfg.checkpoint, run_config=run_config,
+                   name=stage)
+
+    # ---- resume
+
+    def restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> TrainState | None:
+        """Load the newest verified checkpoint into `model` (trainable weights) and `opt`, restore every
+        RNG and the best weights so far; None if there is none or checkpoint.resume is never."""
+        if self.store is None or self.cfg.resume != "auto":
+            return None
+        c = self.store.latest()
+        if c is None:
+            if self.store.best_step() is not None:
+                self.log.warning("%s: discarding the best weights of step %s under %s: there is no checkpoint to "
+                                 "resume from, so the stage starts over", self.name, self.store.best_step(), self.root)
+            return None
+        diff = config_diff(c.trainer_state.get("config", {}), self.run_config, list(self.run_config))
+        if diff:
+            raise IncompatibleResumeError(
+                f"{self.name}: the checkpoint in {c.path} was made with a different {', '.join(diff)}; "
+                f"refusing to resume. Delete {c.path.parent} (or use checkpoint.resume: never) to start over.")
+        missing = sorted(set(c.weights) ^ set(_trainable(model)))
+        if missing:
+            raise IncompatibleResumeError(
+                f"{self.name}: checkpoint {c.path} weights differ from the model's: {missing[:5]}")
+        _copy_into(model, c.weights)
+        if c.optimizer is not None:
+            opt.load_state_dict(c.optimizer)
+        else:
+            self.log.warning("%s: checkpoint %s has no optimizer state; the optimizer restarts (resume is not exact)",
+                             self.name, c.path)
+        restore_rng(c.rng)
+        self.log.info("%s: resumed from step %d (%s)", self.name, c.step, c.path)
+        state = TrainState.from_dict(c.trainer_state)
+        if state.best_step is not None:     # raises CheckpointUnusable if they fail verification
+            self._best = self.store.load_best(state.best_step)
+        return state
+
+    # ---- saving
+
+    def maybe_save(self, state: TrainState, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+                   stop: bool, max_steps: int) -> None:
+        """At a step boundary: save every checkpoint.save_every steps, on a stop signal and when stopping
+        early; with the optimizer state every checkpoint.save_optimizer_every steps and on a stop signal."""
+        cfg = self.cfg
+        if stop or state.stopped_early or (cfg.save_every and state.step % cfg.save_every == 0):
+            self.save(state, model, opt, with_optimizer=stop or state.step % cfg.save_optimizer_every == 0,
+                      max_steps=max_steps)
+
+    def save(self, state: TrainState, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+             with_optimizer: bool, max_steps: int) -> float:
+        """Checkpoint `state.step` now (written in the background); the seconds the loop stalled."""
+        if self.store is None:
+            return 0.0
+        trainer_state = {**vars(state), "config": self.run_config, "config_hash": sha256_json(self.run_config),
+                         "code_version": CODE_VERSION, "max_steps": max_steps,
+                         "epoch": ((state.data_state or {}).get("order") or {}).get("epoch")}
+        stall = self.store.save(state.step, weights=_trainable(model),
+                                optimizer=opt.state_dict() if with_optimizer else None, rng=capture_rng(),
+                                trainer_state=trainer_state)
+        self.log.info("%s: checkpoint at step %d (stall %.3f s%s)", self.name, state.step, stall,
+                      ", with optimizer" if with_optimizer else "")
+        return stall
+
+    # ---- the best weights by validation loss
+
+    def save_best(self, state: TrainState, model: torch.nn.Module) -> None:
+        """Keep the model's trainable weights as those of state.best_step (in memory, and in root/best/)."""
+        self._best = {n: t.to("cpu", copy=True) for n, t in _trainable(model).items()}
+        if self.store is not None:
+            self.store.save_best(self._best, step=state.best_step, val_loss=state.best_val_loss)
+
+    def restore_best(self, model: torch.nn.Module, state: TrainState) -> None:
+        """Leave the best weights in the model, not the last step's (when those differ)."""
+        if state.best_step is None or state.best_step == state.step:
+            return
+        if self._best is None:
+            self.log.warning("%s: best weights of step %s are not available; keeping the last step's", self.name,
+                             state.best_step)
+            return
+        _copy_into(model, self._best)
+        self.log.info("%s: carrying forward the weights of step %d (validation loss %.4f), not step %d's", self.name,
+                      state.best_step, state.best_val_loss, state.step)
+
+    # ---- lifetime
+
+    def metrics(self) -> dict:
+        """Save count and worst stall, for the stage's metrics (empty if nothing was saved)."""
+        saves = self.store.stats if self.store else []
+        if not saves:
+            return {}
+        return {"checkpoint_saves": len(saves), "checkpoint_max_stall_s": max(x["stall_s"] for x in saves)}
+
+    def wait(self) -> None:
+        if self.store is not None:
+            self.store.wait()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -11,7 +11,7 @@ Every function runs under torch.no_grad() with the model in eval mode (its mode 
 afterwards) and reuses the training code paths: tokenisation (data.tokenize), batch layout
 (data.packing) and the loss heads (engine.losses), so eval numbers mean what training numbers mean.
 Held-out files are read by the same readers as training data (data.formats), with the same
-bad-row policy and line limit (`read_task_rows`; engine.stages.eval_*), and a prompt is cut to
+bad-row policy and line limit (`read_task_rows`; engine.heldout), and a prompt is cut to
 what the model's context can use before it is tokenised.
 """
 from __future__ import annotations

@@ -1,47 +1,41 @@
 """The one training loop shared by pretrain, SFT and DPO; only the loss function differs.
 
-Sections, top to bottom: setup → resume (newest verified checkpoint) → per step
-(`train_step`: accumulate micro-batches, clip, step, schedule) → log → checkpoint.
+`train()` only loops: resume (`Checkpointer.restore`) → per step: data + step (`train_step`:
+accumulate micro-batches, clip, step, schedule) → log → validate → checkpoint. The loop state is
+a `TrainState`; everything on disk (resume, saves, best weights, RNG, verification) is the
+Checkpointer's (engine/checkpoint.py).
 
 Logged per window: loss and the loss's own metrics, tokens/s (real tokens), token efficiency
 (real / computed token slots) and io-wait (seconds per step spent waiting for a batch).
 Checkpoints carry the trainable weights, optimizer state, RNG states and the data position of
 the last batch trained on, so a resumed run continues bit-identically (fp32, deterministic ops).
-Runs without Prefect; progress goes to `logging` and to a metrics.jsonl the stage keeps.
+Runs without Prefect; progress goes to `logging` and to `on_log` (the stage keeps a metrics.jsonl).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 
 from configs.errors import UserError
-from configs.schema import CheckpointConfig, TrainConfig
-from artifacts import sha256_json, source_hash
-from engine.checkpoint import CheckpointManager, capture_rng, config_diff, restore_rng
+from configs.schema import TrainConfig
+from engine.checkpoint import Checkpointer, TrainState
 from engine.optim import build_optimizer, lr_at
 
 log = logging.getLogger("glm_lora.engine")
 
-CODE_VERSION = source_hash(Path(__file__).resolve().parents[1], ("data", "engine", "kernels", "model"))
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 
 
 class NonFiniteLossError(UserError, RuntimeError):
     """The loss went NaN/inf: the same data and settings would do it again, so no retry."""
-
-
-class IncompatibleResumeError(UserError, RuntimeError):
-    pass
 
 
 class Preempted(RuntimeError):
@@ -185,169 +179,68 @@ class StopRequest:
             signal.signal(sig, old)
 
 
-class EarlyStopping:
-    """Tracks the validation loss: keeps the best trainable weights and says when patience ran out."""
-
-    def __init__(self, cfg: TrainConfig, trainable: dict[str, torch.nn.Parameter],
-                 checkpoints: CheckpointManager | None):
-        self.cfg, self.trainable, self.checkpoints = cfg, trainable, checkpoints
-        self.best: dict[str, torch.Tensor] | None = None
-
-    def update(self, state: dict, val_loss: float) -> bool:
-        """Record a validation at state["step"]; True when the stage should stop now."""
-        state["val_losses"].append([state["step"], val_loss])
-        best = state["best_val_loss"]
-        if best is None or val_loss < best - self.cfg.min_delta:
-            state.update(best_val_loss=val_loss, best_step=state["step"], bad_evals=0)
-            self.best = {n: p.detach().to("cpu", copy=True) for n, p in self.trainable.items()}
-            if self.checkpoints is not None:
-                self.checkpoints.save_best(self.best, step=state["step"], val_loss=val_loss)
-            return False
-        state["bad_evals"] += 1
-        return bool(self.cfg.patience) and state["bad_evals"] >= self.cfg.patience
-
-    def resume(self, state: dict) -> None:
-        if state.get("best_step") is not None and self.checkpoints is not None:
-            self.best = self.checkpoints.load_best(state["best_step"])
-
-    def restore_best(self, state: dict, name: str) -> None:
-        """Put the best weights back if the last step is not the best one."""
-        if state["best_step"] is None or state["best_step"] == state["step"]:
-            return
-        if self.best is None:
-            log.warning("%s: best weights of step %s are not available; keeping the last step's", name,
-                        state["best_step"])
-            return
-        with torch.no_grad():
-            for n, p in self.trainable.items():
-                p.copy_(self.best[n])
-        log.info("%s: carrying forward the weights of step %d (validation loss %.4f), not step %d's", name,
-                 state["best_step"], state["best_val_loss"], state["step"])
-
-
-def _restore(model, opt, ckpt, run_config: dict, structural_keys: Sequence[str], name: str) -> dict:
-    c = ckpt.latest()
-    if c is None:
-        if ckpt.best_step() is not None:
-            log.warning("%s: discarding the best weights of step %s under %s: there is no checkpoint to resume "
-                        "from, so the stage starts over", name, ckpt.best_step(), ckpt.root)
-        return {}
-    diff = config_diff(c.trainer_state.get("config", {}), run_config, list(structural_keys))
-    if diff:
-        raise IncompatibleResumeError(
-            f"{name}: the checkpoint in {c.path} was made with a different {', '.join(diff)}; "
-            f"refusing to resume. Delete {c.path.parent} (or use checkpoint.resume: never) to start over.")
-    params = dict(model.named_parameters())
-    missing = sorted(set(c.weights) ^ {n for n, p in params.items() if p.requires_grad})
-    if missing:
-        raise IncompatibleResumeError(f"{name}: checkpoint {c.path} weights differ from the model's: {missing[:5]}")
-    with torch.no_grad():
-        for n, t in c.weights.items():
-            params[n].copy_(t)
-    if c.optimizer is not None:
-        opt.load_state_dict(c.optimizer)
-    else:
-        log.warning("%s: checkpoint %s has no optimizer state; the optimizer restarts (resume is not exact)", name, c.path)
-    restore_rng(c.rng)
-    log.info("%s: resumed from step %d (%s)", name, c.step, c.path)
-    return c.trainer_state
+def _out_of_memory(name: str, step: int, cfg: TrainConfig) -> RuntimeError:
+    return RuntimeError(
+        f"{name}: out of memory at step {step}. Lower {name}.batch_size (now {cfg.batch_size}) "
+        f"or {name}.seq_len ({cfg.seq_len}) and raise {name}.grad_accum ({cfg.grad_accum}) to keep "
+        f"the tokens per step; or use precision bf16.")
 
 
 def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict | None], Iterator[dict]],
-          cfg: TrainConfig, rt: Runtime, *, name: str = "train", metrics_path: Path | None = None,
-          on_log: Callable[[dict], None] | None = None, checkpoints: CheckpointManager | None = None,
-          ckpt_cfg: CheckpointConfig | None = None, run_config: dict | None = None,
-          structural_keys: Sequence[str] = (), validate: Callable[[], float] | None = None) -> dict:
+          cfg: TrainConfig, rt: Runtime, *, checkpointer: Checkpointer | None = None,
+          validate: Callable[[], float] | None = None, on_log: Callable[[dict], None] | None = None) -> dict:
     """Train until cfg.max_steps optimizer steps (or early stopping); return the last logging window's summary.
 
-    `make_batches(data_state)` builds the batch stream, positioned by `data_state` on resume.
-    `validate()` returns the held-out loss; with cfg.eval_every it runs every that many steps and
-    the best weights, not the last, are left in the model.
+    `make_batches(data_state)` builds the batch stream, positioned by `data_state` on resume. `validate()`
+    returns the held-out loss: with cfg.eval_every it runs every that many steps and the best weights, not
+    the last, are left in the model. `checkpointer` (default: none on disk) is closed when the loop ends.
     """
-    # ---- setup
+    ckpt = checkpointer or Checkpointer()
     model.to(rt.device).train()
-    lora = getattr(cfg, "lora", None)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, fused=rt.device.type == "cuda",
-                          lora_b_lr_ratio=lora.b_lr_ratio if lora is not None else 1.0)
+                          lora_b_lr_ratio=cfg.lora.b_lr_ratio if hasattr(cfg, "lora") else 1.0)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    ckpt_cfg = ckpt_cfg or CheckpointConfig()
-    run_config = run_config or {}
-    # ---- resume
-    state = {"step": 0, "tokens": 0, "losses": [], "skipped": 0, "data_state": None,
-             "val_losses": [], "best_val_loss": None, "best_step": None, "bad_evals": 0, "stopped_early": False}
-    if checkpoints is not None and ckpt_cfg.resume == "auto":
-        state.update(_restore(model, opt, checkpoints, run_config, structural_keys, name))
+    state = ckpt.restore(model, opt) or TrainState()
     validating = validate is not None and cfg.eval_every > 0
-    early = EarlyStopping(cfg, {n: p for n, p in model.named_parameters() if p.requires_grad}, checkpoints)
-    early.resume(state)
-    batches = make_batches(state["data_state"])
-    metrics_file = open(metrics_path, "a", encoding="utf-8") if metrics_path else None
-    window, summary = Window(), {}
-    try:
-        with StopRequest() as stop, contextlib.closing(batches) if hasattr(batches, "close") else contextlib.nullcontext():
-            while state["step"] < cfg.max_steps and not state["stopped_early"]:
-                # ---- step
-                try:
-                    result = train_step(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, state["step"])
-                except torch.OutOfMemoryError as e:
-                    raise RuntimeError(
-                        f"{name}: out of memory at step {state['step']}. Lower {name}.batch_size (now {cfg.batch_size}) "
-                        f"or {name}.seq_len ({cfg.seq_len}) and raise {name}.grad_accum ({cfg.grad_accum}) to keep "
-                        f"the tokens per step; or use precision bf16.") from e
-                if result is None:
-                    state["skipped"] += 1
-                    if state["skipped"] > 100:
-                        raise NonFiniteLossError(f"{name}: more than 100 batches skipped for non-finite loss")
-                    continue
-                state["step"] += 1
-                state["tokens"] += result.num_tokens
-                state["losses"].append(result.loss)
-                state["data_state"] = result.data_state
-                window.add(result)
-                step = state["step"]
-                # ---- log
-                if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    summary = {**window.summary(step), "skipped_batches": state["skipped"]}
-                    log.info("%s step %d/%d %s", name, step, cfg.max_steps,
-                             " ".join(f"{k}={v:.4g}" for k, v in summary.items() if k != "step" and v is not None))
-                    if metrics_file:
-                        metrics_file.write(json.dumps(summary) + "\n")
-                        metrics_file.flush()
-                    if on_log:
-                        on_log(summary)
-                # ---- validate (before the checkpoint, so a resume knows the best step)
-                if validating and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                    val_loss = validate()
-                    model.train()
-                    state["stopped_early"] = early.update(state, val_loss)
-                    log.info("%s step %d validation loss %.4f (best %.4f at step %d)%s", name, step, val_loss,
-                             state["best_val_loss"], state["best_step"],
-                             "; stopping early: no improvement in %d validations" % cfg.patience
-                             if state["stopped_early"] else "")
-                # ---- checkpoint
-                if checkpoints is not None and (stop.requested or state["stopped_early"]
-                                                or (ckpt_cfg.save_every and step % ckpt_cfg.save_every == 0)):
-                    with_opt = stop.requested or step % ckpt_cfg.save_optimizer_every == 0
-                    stall = checkpoints.save(
-                        step, weights={n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                        optimizer=opt.state_dict() if with_opt else None, rng=capture_rng(),
-                        trainer_state={**state, "config": run_config, "config_hash": sha256_json(run_config),
-                                       "code_version": CODE_VERSION, "max_steps": cfg.max_steps,
-                                       "epoch": ((state["data_state"] or {}).get("order") or {}).get("epoch")})
-                    log.info("%s: checkpoint at step %d (stall %.3f s%s)", name, step, stall,
-                             ", with optimizer" if with_opt else "")
-                if stop.requested:
-                    raise Preempted(f"{name}: stopped by signal at step {step}; checkpoint saved, re-run to resume")
-    finally:
-        if metrics_file:
-            metrics_file.close()
-        if checkpoints is not None:
-            checkpoints.wait()
+    batches, window, summary = make_batches(state.data_state), Window(), {}
+    with ckpt, StopRequest() as stop, (contextlib.closing(batches) if hasattr(batches, "close")
+                                       else contextlib.nullcontext()):
+        while state.step < cfg.max_steps and not state.stopped_early:
+            # ---- data + step (train_step draws cfg.grad_accum micro-batches)
+            try:
+                result = train_step(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, state.step)
+            except torch.OutOfMemoryError as e:
+                raise _out_of_memory(ckpt.name, state.step, cfg) from e
+            if result is None:
+                state.skipped += 1
+                if state.skipped > 100:
+                    raise NonFiniteLossError(f"{ckpt.name}: more than 100 batches skipped for non-finite loss")
+                continue
+            step = state.advance(result.loss, result.num_tokens, result.data_state)
+            window.add(result)
+            # ---- log
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                summary = {**window.summary(step), "skipped_batches": state.skipped}
+                log.info("%s step %d/%d %s", ckpt.name, step, cfg.max_steps,
+                         " ".join(f"{k}={v:.4g}" for k, v in summary.items() if k != "step" and v is not None))
+                if on_log:
+                    on_log(summary)
+            # ---- validate (before the checkpoint, so a resume knows the best step)
+            if validating and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                val_loss = validate()
+                model.train()
+                if state.validated(val_loss, cfg.min_delta, cfg.patience):
+                    ckpt.save_best(state, model)
+                log.info("%s step %d validation loss %.4f (best %.4f at step %d)%s", ckpt.name, step, val_loss,
+                         state.best_val_loss, state.best_step, "; stopping early: no improvement in %d validations"
+                         % cfg.patience if state.stopped_early else "")
+            # ---- checkpoint
+            ckpt.maybe_save(state, model, opt, stop=stop.requested, max_steps=cfg.max_steps)
+            if stop.requested:
+                raise Preempted(f"{ckpt.name}: stopped by signal at step {step}; checkpoint saved, re-run to resume")
     if validating:
-        early.restore_best(state, name)
-        summary.update(val_losses=state["val_losses"], best_val_loss=state["best_val_loss"],
-                       best_step=state["best_step"], stopped_early=state["stopped_early"], last_step=state["step"])
-    summary["losses"] = state["losses"]
-    summary["skipped_batches"] = state["skipped"]
-    return summary
+        ckpt.restore_best(model, state)
+        summary.update(val_losses=state.val_losses, best_val_loss=state.best_val_loss,
+                       best_step=state.best_step, stopped_early=state.stopped_early, last_step=state.step)
+    return {**summary, "losses": state.losses, "skipped_batches": state.skipped}

@@ -34,15 +34,15 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from artifacts import read_manifest
 from configs.schema import Config, LoRAConfig
 from data.prepare import SOURCES, TOKENIZER_FILES
 from data.tokenizer import end_of_turn_ids, load_tokenizer
 from engine import evaluate
-from engine.stages import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_policy
 from export.model_card import write_model_card
+from model.adapters import load_policy, read_adapter
 from model.hf import save_hf
 
 COMPARE = "compare.md"
@@ -76,8 +76,8 @@ def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str,
     in out_dir; with `vllm_split_gate_up` and a LoRA on a fused gate_up_proj, also the split form vLLM's
     native Glm4 loads, in `<out_dir>-vllm/`. Returns whether that split form was written."""
     out_dir = Path(out_dir)
-    lora = LoRAConfig.model_validate_json((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
-    state = {f"base_model.model.{k}": v for k, v in load_file(Path(adapter_dir) / ADAPTER_WEIGHTS).items()}
+    lora, ours = read_adapter(adapter_dir)
+    state = {f"base_model.model.{k}": v for k, v in ours.items()}
     _write_peft(out_dir, state, lora, base_model_path)
     split = vllm_split(state) if vllm_split_gate_up else None
     if split is not None:
@@ -114,6 +114,11 @@ def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype)
     gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": stops if len(stops) > 1 else stops[0],
            "pad_token_id": tok.pad_token_id}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
+    """The export stage (tasks/table.py)."""
+    return export(cfg, inputs["base"], inputs["sft"], inputs["dpo"], inputs["tokenizer"], out_dir)
 
 
 def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_dir: Path, out_dir: Path) -> dict:

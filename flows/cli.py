@@ -1,6 +1,7 @@
 """Command line: `python -m flows.cli run` runs the whole flow in-process (Prefect, no deployment);
 `python -m flows.cli stage NAME` runs one stage's plain function without Prefect, reading its
-inputs from the run directory — for debugging and for torchrun-launched training.
+inputs from the run directory (the stage table, tasks/table.py, says which) — for debugging; it
+imports no Prefect.
 
 Overrides use dotted keys: `--set sft.max_steps=50 --set sft.lora.r=32`.
 """
@@ -15,13 +16,7 @@ import artifacts
 from artifacts.lock import run_lock
 from configs import ConfigError, load_config, parse_value
 from configs.errors import UserError
-
-UPSTREAM = {
-    "data": [], "tokenizer": ["data"], "pretrain": ["tokenizer", "data"], "import_base": [],
-    "sft": ["BASE", "tokenizer", "data"], "dpo": ["BASE", "sft", "tokenizer", "data"],
-    "export": ["BASE", "sft", "dpo", "tokenizer"], "serve": ["export"],
-}
-
+from tasks.table import STAGES
 
 def _overrides(pairs: list[str]) -> dict:
     out = {}
@@ -33,32 +28,20 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
-def run_one_stage(stage: str, cfg) -> artifacts.ArtifactRef:
-    from data.prepare import prepare_data, prepare_tokenizer
-    from engine import stages
-    from export import export
-    from serve.stage import serve
+def run_one_stage(stage: str, cfg, force: bool = True) -> artifacts.ArtifactRef:
+    """Build one stage from its inputs in the run directory, without Prefect (the stage table says
+    which); the artifact carries the same cache key the flow would give it, so the flow reuses it."""
+    from tasks.cache import build_stage
+    from tasks.table import upstream
 
-    base = "import_base" if cfg.base_model else "pretrain"
-    names = [base if u == "BASE" else u for u in UPSTREAM[stage]]
-    dirs = [cfg.stage_dir(n) for n in names]
-    for name, d in zip(names, dirs):
+    inputs = {}
+    for key, name in upstream(stage, cfg.model_dump(mode="json")).items():
+        d = cfg.stage_dir(name)
         if not artifacts.is_complete(d):
             raise UserError(f"stage {stage} needs the {name} stage's output, and {d} is missing or incomplete; "
                             f"run `python -m flows.cli stage {name}` (or the whole flow) first")
-    fns = {
-        "data": lambda out: prepare_data(cfg.data, out, eval_rows=cfg.eval.max_rows),
-        "tokenizer": lambda out: prepare_tokenizer(dirs[0], cfg.tokenizer.vocab_size, out, base_model=cfg.base_model),
-        "pretrain": lambda out: stages.pretrain(cfg, *dirs, out),
-        "import_base": lambda out: stages.import_base(cfg, out),
-        "sft": lambda out: stages.sft(cfg, *dirs, out),
-        "dpo": lambda out: stages.dpo(cfg, *dirs, out),
-        "export": lambda out: export(cfg, *dirs, out),
-        "serve": lambda out: serve(cfg, *dirs, out),
-    }
-    inputs = [artifacts.ref_for(d) for d in dirs]
-    return artifacts.build(cfg.stage_dir(stage), stage, fns[stage], config={"run": cfg.model_dump(mode="json")},
-                           inputs=inputs)
+        inputs[key] = artifacts.ref_for(d).to_dict()
+    return build_stage(stage, cfg, inputs, force=force)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("run", "stage"):
         p = sub.add_parser(name)
         if name == "stage":
-            p.add_argument("name", choices=list(UPSTREAM))
+            p.add_argument("name", choices=list(STAGES))
         p.add_argument("--config", default="tiny", help="preset name (configs/*.yaml) or a path to a YAML file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
         if name == "run":

@@ -21,11 +21,16 @@ Attention (config key `attention`), for packed rows: "sdpa" uses a dense documen
 "flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" picks flex on
 CUDA (1B LoRA SFT at 8 × 2048: 1.25× the tokens/s of the dense mask, less memory) and sdpa on CPU
 (FlexAttention has no CPU backward).
+
+Both are chosen for a block, `with kernels.using(backend, attention): ...` (the previous choice comes
+back after it; tasks.cache.build_stage wraps every stage in the config's choice); outside one: auto, auto.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from typing import Iterator
 
 import torch
 
@@ -36,10 +41,10 @@ ATTENTION = ("auto", "sdpa", "flex")
 _MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss"}
-_BACKEND, _ATTENTION = "auto", "auto"
+_BACKEND, _ATTENTION = "auto", "auto"     # what the ops below dispatch on; set by use() / using()
 
 
-def use(backend: str, attention: str = "auto") -> None:
+def _use(backend: str, attention: str = "auto") -> None:
     global _BACKEND, _ATTENTION
     if backend not in BACKENDS:
         raise ValueError(f"kernels backend must be one of {BACKENDS}, got {backend!r}")
@@ -48,8 +53,19 @@ def use(backend: str, attention: str = "auto") -> None:
     _BACKEND, _ATTENTION = backend, attention
 
 
-def backend() -> str:
-    return _BACKEND
+@contextlib.contextmanager
+def using(backend: str, attention: str = "auto") -> Iterator[None]:
+    """Dispatch op calls to `backend` / `attention` inside the block; the previous choice is back on exit,
+    error or not.
+
+    The choice is still process-wide while the block runs (every thread sees it), not per model.
+    """
+    previous = _BACKEND, _ATTENTION
+    _use(backend, attention)
+    try:
+        yield
+    finally:
+        _use(*previous)
 
 
 @functools.cache

@@ -93,6 +93,11 @@ def served_record(serve_dir: Path) -> dict | None:
     return json.loads(record.read_text()) if record.is_file() else None
 
 
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
+    """The serve stage (tasks/table.py)."""
+    return serve(cfg, inputs["export"], out_dir)
+
+
 def serve(cfg: Config, export_dir: Path, out_dir: Path) -> dict:
     sc = cfg.serve
     final_dir = cfg.stage_dir("serve")

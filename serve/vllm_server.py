@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from artifacts.lock import pid_alive
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route localhost via a proxy
 _PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"   # modules the vLLM process imports
@@ -87,7 +89,6 @@ def start_server(
     max_model_len: int = 512,
     kv_cache_bytes: int = 268435456,
     lora_modules: dict[str, Path] | None = None,
-    max_lora_rank: int | None = None,
     log_path: Path,
     extra_args: list[str] | tuple[str, ...] = (),
     api_key: str | None = None,
@@ -95,7 +96,8 @@ def start_server(
     """Launch the server in the background and return at once; call `wait_healthy` next.
 
     lora_modules: served name → exported adapter dir; where the export wrote a vLLM form beside it
-    (GLM-4-0414's gate_up_proj split: `vllm_adapter_dir`), that form is served.
+    (GLM-4-0414's gate_up_proj split: `vllm_adapter_dir`), that form is served, with the smallest
+    --max-lora-rank that fits them all. (The serve stage passes none yet; tests/serve does.)
     api_key: require `Authorization: Bearer <api_key>` on every route but /health (README "Security").
     It goes to vLLM as $VLLM_API_KEY (same as --api-key), never on the command line: argv is visible to
     every user in `ps`. vLLM itself guards only /v1/*; our middleware (vllm_plugins/) guards the rest.
@@ -122,8 +124,7 @@ def start_server(
     ]
     if lora_modules:
         lora_modules = {name: vllm_adapter_dir(path) for name, path in lora_modules.items()}
-        rank = max_lora_rank or _lora_rank_for(lora_modules.values())
-        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-modules"]
+        cmd += ["--enable-lora", "--max-lora-rank", str(_lora_rank_for(lora_modules.values())), "--lora-modules"]
         cmd += [f"{name}={Path(path).resolve()}" for name, path in lora_modules.items()]
     if api_key:
         cmd += ["--middleware", "glm_lora_vllm_auth.RequireApiKey"]
@@ -161,12 +162,8 @@ def _alive(pid: int) -> bool:
             return False
     except ChildProcessError:
         pass  # not our child
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):

@@ -1,7 +1,8 @@
-"""One thin Prefect task per stage: cache key, retries, artifacts; the work is in plain functions.
+"""One Prefect task per stage of the table (tasks/table.py): retries, one-line user errors, artifacts.
 
-Every task takes the validated config as a dict plus upstream ArtifactRef dicts and returns a
-small ArtifactRef dict (path + digest) — never a model object.
+The work and the caching are Prefect-free (`tasks.cache.build_stage`: the manifest key is the one
+cache); a stage reused from it ends in a Completed state named "Cached". Tasks take the validated
+config as a dict plus upstream ArtifactRef dicts and return a small ArtifactRef dict — never a model.
 """
 from __future__ import annotations
 
@@ -9,31 +10,20 @@ import functools
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.context import TaskRunContext
-from prefect.states import Failed
+from prefect.states import Completed, Failed
 
 import artifacts
 from configs.errors import UserError
 from configs.schema import Config
-from tasks.cache import reusable, stage_key
+from tasks.cache import build_stage
+from tasks.table import STAGES
 
 logging.getLogger("glm_lora").setLevel(logging.INFO)
-
-
-def _refs(params: dict) -> list[dict]:
-    return [v for v in params.values() if isinstance(v, dict) and "digest" in v]
-
-
-def _prefect_key(stage: str) -> Callable:
-    def key_fn(ctx, params: dict) -> str:
-        cfg = Config.model_validate(params["cfg"])
-        return stage_key(stage, params["cfg"], _refs(params), cfg.stage_dir(stage))
-    return key_fn
 
 
 def _artifact_key(cfg: Config, what: str) -> str:
@@ -46,32 +36,39 @@ def _metrics_markdown(stage: str, ref: artifacts.ArtifactRef, metrics: dict) -> 
     return f"### {stage}\n\n`{ref.path}`  digest `{ref.digest[:16]}`\n\n| metric | value |\n|---|---|\n{rows}\n"
 
 
-def run_stage(stage: str, cfg_dict: dict, upstream: list[dict], work: Callable[[Path], dict]) -> dict:
-    """Reuse the published artifact if its key matches, else build it atomically."""
-    cfg = Config.model_validate(cfg_dict)
-    out = cfg.stage_dir(stage)
-    key = stage_key(stage, cfg_dict, upstream, out)
-    log = get_run_logger()
-    ctx = TaskRunContext.get()
-    forced = bool(ctx and ctx.task.refresh_cache)
-    if reusable(out, key) and not forced:
-        log.info("%s: reusing %s (key %s)", stage, out, key[:12])
-        return artifacts.ref_for(out).to_dict()
-    inputs = [artifacts.ArtifactRef.from_dict(r) for r in upstream]
-    ref = artifacts.build(out, stage, work, config={"cache_key": key, "run": cfg_dict}, inputs=inputs)
-    metrics = ref.manifest()["metrics"]
-    create_markdown_artifact(key=_artifact_key(cfg, stage), markdown=_metrics_markdown(stage, ref, metrics),
-                             description=f"{stage} metrics")
-    log.info("%s: built %s %s", stage, out, {k: metrics[k] for k in list(metrics)[:8]})
-    return ref.to_dict()
+def _compare_artifact(cfg: Config, out: Path, metrics: dict) -> None:
+    from export import COMPARE
+    if (out / COMPARE).is_file():
+        create_markdown_artifact(key=_artifact_key(cfg, "compare"), markdown=(out / COMPARE).read_text(),
+                                 description="fixed prompts side by side")
 
 
-def _p(ref: dict) -> Path:
-    return Path(ref["path"])
+def _answer_artifact(cfg: Config, out: Path, r: dict) -> None:
+    create_markdown_artifact(
+        key=_artifact_key(cfg, "answer"),
+        markdown=f"### Served answer\n\n**endpoint** `{r['endpoint']}`\n\n**prompt** {r['prompt']}\n\n"
+                 f"**vLLM** {r['answer']}\n\n**in-process** {r['inprocess_answer']}\n\n"
+                 f"### Promotion gate\n\n{r['gate']}\n",
+        description="answer from the served model")
+
+
+EXTRA_ARTIFACTS: dict[str, Callable[[Config, Path, dict], None]] = {"export": _compare_artifact,
+                                                                    "serve": _answer_artifact}
 
 
 def _user_error_names(cls: type = UserError) -> set[str]:
     return {cls.__name__}.union(*(_user_error_names(sub) for sub in cls.__subclasses__()))
+
+
+def is_user_error(state) -> bool:
+    """A Failed state made by `fails_cleanly` (or the flow's own equivalent)."""
+    return state.name in _user_error_names()
+
+
+def transient(task, task_run, state) -> bool:
+    """Retry only what may pass next time (I/O, preemption, a crashed server) — not bad data, a bad
+    config or a failed gate, which would fail the same way again."""
+    return not is_user_error(state)
 
 
 def fails_cleanly(fn: Callable) -> Callable:
@@ -87,106 +84,29 @@ def fails_cleanly(fn: Callable) -> Callable:
     return wrapper
 
 
-def is_user_error(state) -> bool:
-    """A Failed state made by `fails_cleanly` (or the flow's own equivalent)."""
-    return state.name in _user_error_names()
+def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = False):
+    """Build (or reuse) one stage's artifact, with its Prefect artifacts and logs."""
+    cfg = Config.model_validate(cfg_dict)
+    log = get_run_logger()
+    ref, reused = build_stage(name, cfg, inputs, force=force)
+    if reused:
+        log.info("%s: reusing %s (cache key in its manifest matches)", name, ref.path)
+        return Completed(name="Cached", data=ref.to_dict(), message=f"reused {ref.path}")
+    metrics = ref.manifest()["metrics"]
+    create_markdown_artifact(key=_artifact_key(cfg, name), markdown=_metrics_markdown(name, ref, metrics),
+                             description=f"{name} metrics")
+    if name in EXTRA_ARTIFACTS:
+        EXTRA_ARTIFACTS[name](cfg, Path(ref.path), metrics)
+    log.info("%s: built %s %s", name, ref.path, {k: metrics[k] for k in list(metrics)[:8]})
+    return ref.to_dict()
 
 
-def transient(task, task_run, state) -> bool:
-    """Retry only what may pass next time (I/O, preemption, a crashed server) — not bad data, a bad
-    config or a failed gate, which would fail the same way again."""
-    return not is_user_error(state)
+def _stage_task(name: str):
+    def stage(cfg: dict, inputs: dict[str, dict], force: bool = False) -> dict:
+        return run_stage(name, cfg, inputs, force)
+    stage.__doc__ = f"The {name} stage ({STAGES[name].run})."
+    return task(name=name, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
+                retry_condition_fn=transient)(fails_cleanly(stage))
 
 
-stage_task = dict(retries=1, retry_delay_seconds=5, retry_condition_fn=transient, persist_result=True,
-                  result_serializer="json")
-
-
-@task(name="data", cache_key_fn=_prefect_key("data"), **stage_task)
-@fails_cleanly
-def data_task(cfg: dict) -> dict:
-    """Generate the embedded data (or validate the user's files)."""
-    from data.prepare import prepare_data
-    c = Config.model_validate(cfg)
-    return run_stage("data", cfg, [], lambda out: prepare_data(c.data, out, eval_rows=c.eval.max_rows))
-
-
-@task(name="tokenizer", cache_key_fn=_prefect_key("tokenizer"), **stage_task)
-@fails_cleanly
-def tokenizer_task(cfg: dict, data: dict) -> dict:
-    """Train the sentencepiece BPE tokenizer, or take the base model's."""
-    from data.prepare import prepare_tokenizer
-    c = Config.model_validate(cfg)
-    return run_stage("tokenizer", cfg, [data], lambda out: prepare_tokenizer(
-        _p(data), c.tokenizer.vocab_size, out, base_model=c.base_model))
-
-
-@task(name="pretrain", cache_key_fn=_prefect_key("pretrain"), **stage_task)
-@fails_cleanly
-def pretrain_task(cfg: dict, tokenizer: dict, data: dict) -> dict:
-    """Pretrain the decoder from scratch."""
-    from engine.stages import pretrain
-    return run_stage("pretrain", cfg, [tokenizer, data], lambda out: pretrain(
-        Config.model_validate(cfg), _p(tokenizer), _p(data), out))
-
-
-@task(name="import_base", cache_key_fn=_prefect_key("import_base"), **stage_task)
-@fails_cleanly
-def import_base_task(cfg: dict) -> dict:
-    """Load a local Hugging Face base model instead of pretraining."""
-    from engine.stages import import_base
-    return run_stage("import_base", cfg, [], lambda out: import_base(Config.model_validate(cfg), out))
-
-
-@task(name="sft", cache_key_fn=_prefect_key("sft"), **stage_task)
-@fails_cleanly
-def sft_task(cfg: dict, base: dict, tokenizer: dict, data: dict) -> dict:
-    """LoRA supervised fine-tuning on assistant tokens."""
-    from engine.stages import sft
-    return run_stage("sft", cfg, [base, tokenizer, data], lambda out: sft(
-        Config.model_validate(cfg), _p(base), _p(tokenizer), _p(data), out))
-
-
-@task(name="dpo", cache_key_fn=_prefect_key("dpo"), **stage_task)
-@fails_cleanly
-def dpo_task(cfg: dict, base: dict, sft: dict, tokenizer: dict, data: dict) -> dict:
-    """DPO with a fresh LoRA on the SFT-merged model."""
-    from engine.stages import dpo
-    return run_stage("dpo", cfg, [base, sft, tokenizer, data], lambda out: dpo(
-        Config.model_validate(cfg), _p(base), _p(sft), _p(tokenizer), _p(data), out))
-
-
-@task(name="export", cache_key_fn=_prefect_key("export"), **stage_task)
-@fails_cleanly
-def export_task(cfg: dict, base: dict, sft: dict, dpo: dict, tokenizer: dict) -> dict:
-    """Write the merged HF model and the PEFT adapters."""
-    from export import COMPARE, export
-    ref = run_stage("export", cfg, [base, sft, dpo, tokenizer], lambda out: export(
-        Config.model_validate(cfg), _p(base), _p(sft), _p(dpo), _p(tokenizer), out))
-    report = Path(ref["path"]) / COMPARE
-    if report.is_file():
-        create_markdown_artifact(key=_artifact_key(Config.model_validate(cfg), "compare"),
-                                 markdown=report.read_text(), description="fixed prompts side by side")
-    return ref
-
-
-@task(name="serve", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=transient)
-@fails_cleanly
-def serve_task(cfg: dict, export: dict) -> dict[str, Any]:
-    """Start vLLM on the merged export, ask it the configured prompt, record the answer."""
-    from serve.stage import serve
-    c = Config.model_validate(cfg)
-    result: dict = {}
-
-    def work(out: Path) -> dict:
-        result.update(serve(c, _p(export), out))
-        return result
-    ref = artifacts.build(c.stage_dir("serve"), "serve", work, config={"run": cfg},
-                          inputs=[artifacts.ArtifactRef.from_dict(export)])
-    create_markdown_artifact(
-        key=_artifact_key(c, "answer"),
-        markdown=f"### Served answer\n\n**endpoint** `{result['endpoint']}`\n\n**prompt** {result['prompt']}\n\n"
-                 f"**vLLM** {result['answer']}\n\n**in-process** {result['inprocess_answer']}\n\n"
-                 f"### Promotion gate\n\n{result['gate']}\n",
-        description="answer from the served model")
-    return {**ref.to_dict(), **result}
+TASKS = {name: _stage_task(name) for name in STAGES}

@@ -109,7 +109,7 @@ def _ids(run_dir: Path) -> torch.Tensor:
 
 def test_merged_export_loads_in_transformers_with_our_logits(dag):
     from transformers import AutoModelForCausalLM
-    from engine.stages import load_policy
+    from model.adapters import load_policy
     d = dag["run_dir"]
     ours = load_policy(d / "pretrain", d / "sft", d / "dpo").eval()
     hf = AutoModelForCausalLM.from_pretrained(d / "export" / "merged", dtype=torch.float32).eval()
@@ -121,7 +121,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(dag):
 def test_peft_adapters_load_and_match(dag):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from engine.stages import load_policy
+    from model.adapters import load_policy
     d, exp = dag["run_dir"], dag["run_dir"] / "export"
     ids = _ids(d)
     base = AutoModelForCausalLM.from_pretrained(exp / "base", dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""GPU micro-benchmark: Triton RMSNorm (and add+RMSNorm) vs eager and torch.compile'd references, fwd+bwd.
+"""GPU micro-benchmark: Triton RMSNorm vs eager and torch.compile'd references, fwd+bwd.
 
 Rows M = 16384 (8 × 2048 tokens), hidden 768 and 2048. bf16, plus fp32 because under bf16 autocast
 the residual stream (and so the norms' input) stays fp32. "frozen_w" is the LoRA case: the norm
@@ -12,7 +12,7 @@ import torch
 import triton.testing
 
 from kernels import reference as ref
-from kernels.triton_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm
+from kernels.triton_rms_norm import rms_norm
 
 M, HIDDEN, EPS = 16384, (768, 2048), 1e-5
 
@@ -56,19 +56,13 @@ def bench(device: str = "cuda") -> list[dict]:
         for C in HIDDEN:
             torch._dynamo.reset()      # fresh compile caches: the recompile limit counts per code object
             x = torch.randn(M, C, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-            res = torch.randn(M, C, device=device, dtype=dtype, generator=gen).requires_grad_(True)
             w = (1 + 0.1 * torch.randn(C, device=device, dtype=dtype, generator=gen)).requires_grad_(True)
             w_frozen = w.detach()
             dy = torch.randn(M, C, device=device, dtype=dtype, generator=gen)
-            ds = torch.randn(M, C, device=device, dtype=dtype, generator=gen)
             norm = {"triton": lambda x, w: rms_norm(x, w, EPS), "eager": lambda x, w: ref.rms_norm(x, w, EPS),
                     "compiled": torch.compile(lambda x, w: ref.rms_norm(x, w, EPS), dynamic=False)}
             rows += compare("rms_norm", f"{M}x{C}", dtype, norm, (x, w), (dy,))
             rows += compare("rms_norm_frozen_w", f"{M}x{C}", dtype, norm, (x, w_frozen), (dy,))
-            add_norm = {"triton": lambda x, r, w: add_rms_norm(x, r, w, EPS),
-                        "eager": lambda x, r, w: add_rms_norm_reference(x, r, w, EPS),
-                        "compiled": torch.compile(lambda x, r, w: add_rms_norm_reference(x, r, w, EPS), dynamic=False)}
-            rows += compare("add_rms_norm", f"{M}x{C}", dtype, add_norm, (x, res, w), (dy, ds))
     return rows
 
 

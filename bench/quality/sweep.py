@@ -18,9 +18,10 @@ HERE = Path(os.environ.get("SWEEP_INPUTS", "."))
 
 def run_job(job: dict, out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import logging, tempfile, torch
+    import logging, tempfile
+    import kernels
     from configs import load_config, parse_value
-    from engine import stages
+    from engine import dpo, pretrain, sft
     name = job["name"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", filename=str(out / f"{name}.log"))
     ov = {"run_name": name, "runs_dir": "/tmp/sweep_runs", "checkpoint.save_every": 0, "checkpoint.resume": "never",
@@ -29,12 +30,13 @@ def run_job(job: dict, out: Path) -> None:
     for a in job.get("set", []):
         k, v = a.split("=", 1); ov[k] = parse_value(v)
     cfg = load_config("tiny", ov)
+    kernels.using(cfg.kernels, cfg.attention).__enter__()     # this process runs one job: for its whole life
     base = HERE / job.get("base", ".")
     data = HERE / job.get("data", "data")
     t = time.time()
     if job.get("pretrain"):
         pdir = Path("/tmp/sweep_runs") / name / "pretrain"; pdir.mkdir(parents=True, exist_ok=True)
-        pm = stages.pretrain(cfg, HERE / "tokenizer", data, pdir)
+        pm = pretrain.run(cfg, {"tokenizer": HERE / "tokenizer", "data": data}, pdir)
         (pdir / "manifest.json").write_text(json.dumps({"digest": name, "metrics": pm}, default=str))
         base_pre = pdir
     else:
@@ -42,10 +44,10 @@ def run_job(job: dict, out: Path) -> None:
     if job.get("full"):
         def no_lora(model, *a, **k):
             for p in model.parameters(): p.requires_grad_(True)
-        stages.inject_lora = no_lora
-        stages.save_adapter = lambda *a, **k: None
+        sft.inject_lora = no_lora
+        sft.save_adapter = lambda *a, **k: None
     sdir = Path(tempfile.mkdtemp())
-    m = stages.sft(cfg, base_pre, HERE / "tokenizer", data, sdir)
+    m = sft.run(cfg, {"base": base_pre, "tokenizer": HERE / "tokenizer", "data": data}, sdir)
     e = m["eval"]
     res = {"name": name, "job": job, "secs": round(time.time() - t), "em": e["exact_match"], "min": e["min_family"],
            "fam": e["per_family"], "val": m.get("val_losses"), "best_step": m.get("best_step"), "dpo": []}
@@ -54,7 +56,7 @@ def run_job(job: dict, out: Path) -> None:
         dcfg = load_config("tiny", {**ov, **{k: parse_value(v) for k, v in (a.split("=", 1) for a in dsets)}})
         ddir = Path(tempfile.mkdtemp())
         try:
-            dm = stages.dpo(dcfg, base_pre, sdir, HERE / "tokenizer", data, ddir)
+            dm = dpo.run(dcfg, {"base": base_pre, "sft": sdir, "tokenizer": HERE / "tokenizer", "data": data}, ddir)
             de = dm["eval"]
             res["dpo"].append({"set": dsets, **{k: v for k, v in de.items() if k not in ("samples",)},
                                "val": dm.get("val_losses"), "best_step": dm.get("best_step")})

@@ -1,8 +1,6 @@
-from pathlib import Path
-
 import pytest
 
-from configs import ConfigError, apply_overrides, load_config, parse_value, preset_path, section_dict
+from configs import ConfigError, apply_overrides, load_config, parse_value, preset_path
 from configs.schema import LORA_TARGETS, Config
 
 PRESETS = ["tiny", "small", "base"]
@@ -169,10 +167,3 @@ def test_bad_run_name_rejected():
     with pytest.raises(ConfigError, match="run_name"):
         load_config("tiny", {"run_name": "a/b"})
 
-
-def test_section_dict_is_json_and_only_named_sections():
-    cfg = load_config("tiny")
-    d = section_dict(cfg, "sft", "runs_dir")
-    assert set(d) == {"sft", "runs_dir"}
-    assert d["sft"]["lora"]["r"] == 32 and isinstance(d["runs_dir"], str)
-    assert Path(d["runs_dir"]) == Path("runs")

@@ -74,20 +74,17 @@ def test_every_row_is_accounted_for_through_reader_cleaner_and_tokeniser(tmp_pat
                            "truncated 1")
 
 
-def test_merge_and_as_dict():
-    a, b = CleanReport(rows=10, kept=6, truncated=1, max_examples=5), CleanReport(rows=5, kept=0, truncated=2)
-    for i in range(4):
-        a.drop("empty", f"a{i}")
-        b.drop("empty", f"b{i}")
-    b.drop("bad_row", "f.jsonl:3: invalid JSON")
-    a.merge(b)
-    assert (a.rows, a.truncated, a.kept) == (15, 3, 6)
+def test_as_dict_and_example_cap():
+    a = CleanReport(rows=15, kept=6, truncated=3, max_examples=5)
+    for i in range(8):
+        a.drop("empty", f"e{i}")
+    a.drop("bad_row", "f.jsonl:3: invalid JSON")
     assert a.dropped == {"empty": 8, "bad_row": 1}
-    assert a.examples["empty"] == ["a0", "a1", "a2", "a3", "b0"]
+    assert a.examples["empty"] == ["e0", "e1", "e2", "e3", "e4"]         # counted all, kept max_examples
     d = a.as_dict()
     assert json.loads(json.dumps(d)) == d
     assert d == {"rows": 15, "kept": 6, "dropped": {"bad_row": 1, "empty": 8}, "truncated": 3,
-                 "examples": {"bad_row": ["f.jsonl:3: invalid JSON"], "empty": ["a0", "a1", "a2", "a3", "b0"]}}
+                 "examples": {"bad_row": ["f.jsonl:3: invalid JSON"], "empty": ["e0", "e1", "e2", "e3", "e4"]}}
     d["examples"]["empty"].append("x")  # a copy, not the report's own lists
     assert len(a.examples["empty"]) == 5
 

@@ -67,13 +67,13 @@ def test_user_split_without_eval_file_gets_rows_of_the_same_file(prepared, split
 
 
 def test_training_never_sees_the_held_out_rows(prepared, tmp_path):
-    from data.tokenizer import load_tokenizer, train_tokenizer
-    from engine.stages import token_store
+    from data.pipeline import StageData
+    from data.tokenizer import train_tokenizer
     out, cfg = prepared
     tok_dir = train_tokenizer([tmp_path / "corpus.jsonl"], tmp_path / "tok", vocab_size=400)
-    tok = load_tokenizer(tok_dir)
     cfg = cfg.model_copy(update={"runs_dir": tmp_path / "runs"})
-    store = token_store(cfg, "sft", cfg.sft, tok, tok_dir, out)
+    data = StageData(cfg, tok_dir, out)
+    tok, store = data.tok, data.store("sft", cfg.sft)
     assert len(store) == len(CHATS) - 8
     held = {CHATS[i]["messages"][1]["content"] for i in held_out_ids(out, "sft")}
     answers = {tok.decode([t for t, lab in zip(*map(list, store.example(i))) if lab != -100],

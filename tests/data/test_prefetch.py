@@ -1,4 +1,4 @@
-"""Prefetcher: same batches in the same order, errors surface, io-wait measured, thread joined."""
+"""Prefetcher: same batches in the same order, errors surface, a queue that hides a slow producer, thread joined."""
 from __future__ import annotations
 
 import gc
@@ -52,21 +52,25 @@ def test_exception_propagates_with_traceback(depth):
     p.close()
 
 
+def _timed_next(p: Prefetcher) -> float:
+    """Seconds blocked in next(p): what the training loop records as io-wait."""
+    t0 = time.perf_counter()
+    next(p)
+    return time.perf_counter() - t0
+
+
 @pytest.mark.parametrize("depth", [0, 2])
-def test_wait_measures_a_slow_producer(depth):
+def test_a_slow_producer_makes_the_consumer_wait(depth):
     with Prefetcher(source(3, delay=0.05), depth=depth) as p:
         for _ in range(3):
-            next(p)
-            assert p.last_wait_s >= 0.04
-        assert p.total_wait_s >= 0.12
+            assert _timed_next(p) >= 0.04
 
 
 def test_fast_consumer_hides_producer_latency():
     with Prefetcher(source(4, delay=0.03), depth=2) as p:
         next(p)
         time.sleep(0.2)                                  # "compute" while the thread fills the queue
-        next(p)
-        assert p.last_wait_s < 0.02
+        assert _timed_next(p) < 0.02
 
 
 def test_close_joins_the_thread_and_closes_the_source():

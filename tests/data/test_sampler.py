@@ -91,16 +91,7 @@ def test_resume_mid_epoch_continues_exactly(rank, world):
         resumed = EpochSampler(n, seed=seed, rank=rank, world_size=world)
         resumed.load_state_dict(state)
         assert (resumed.epoch, resumed.position) == (s.epoch, s.position)
-        assert resumed.peek(per_rank) == reference[k:k + per_rank]
         assert take(resumed, 3 * per_rank) == reference[k:k + 3 * per_rank]
-
-
-def test_peek_does_not_consume():
-    s = EpochSampler(7, seed=2)
-    take(s, 5)
-    ahead = s.peek(10)             # runs into the next epoch
-    assert s.state_dict()["position"] == 5
-    assert take(s, 10) == ahead
 
 
 def test_state_is_plain_json():

@@ -1,4 +1,4 @@
-"""Token store: streaming write, memory-mapped read, and the build-once cache."""
+"""Token store: streaming write, memory-mapped read, and the build-once cache (the one way to build a store)."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from data.token_store import (
-    IGNORE, TokenStore, TokenStoreError, cached_token_store, write_token_store,
-)
+from data.token_store import IGNORE, TokenStore, TokenStoreError, cached_token_store
 
 # Ragged on purpose: an empty example, one with no loss at all, one longer than the write chunk.
 EXAMPLES = [
@@ -22,6 +20,19 @@ EXAMPLES = [
     (list(range(100, 137)), list(range(100, 137))),
     ([2, 3], [2, 3]),
 ]
+
+
+KEY = {"tokenizer": "abc", "data": ["f00"], "seq_len": 64, "code": 1}
+
+
+def write(root, examples, **kw) -> TokenStore:
+    """A store of `examples` (a list or a one-shot iterator) in the cache at `root`."""
+    return cached_token_store(root, KEY, lambda: examples, **kw)
+
+
+def leftovers(root, store_name: str) -> list[str]:
+    """What is in the cache dir besides the store and its lock file (temp dirs of a write, say)."""
+    return sorted(set(p.name for p in root.iterdir()) - {store_name, f".{store_name}.lock"})
 
 
 def _check(store: TokenStore, examples) -> None:
@@ -35,29 +46,29 @@ def _check(store: TokenStore, examples) -> None:
 
 @pytest.mark.parametrize("chunk_tokens", [1, 8, 1 << 22])
 def test_round_trip_ragged(tmp_path, chunk_tokens):
-    store = write_token_store(iter(EXAMPLES), tmp_path / "s", chunk_tokens=chunk_tokens, meta={"clean": {"empty": 2}})
+    store = write(tmp_path, iter(EXAMPLES), chunk_tokens=chunk_tokens, meta_fn=lambda: {"clean": {"empty": 2}})
     _check(store, EXAMPLES)
-    _check(TokenStore.open(tmp_path / "s"), EXAMPLES)
+    _check(TokenStore.open(store.path), EXAMPLES)
     assert store.meta["n_examples"] == len(EXAMPLES)
     assert store.meta["n_tokens"] == sum(len(i) for i, _ in EXAMPLES)
     assert store.meta["clean"] == {"empty": 2} and store.meta["group_size"] == 1
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dir left behind"
+    assert not leftovers(tmp_path, store.path.name), "temp dir left behind"
 
 
 def test_arrays_are_memory_maps_of_plain_npy(tmp_path):
-    store = write_token_store(EXAMPLES, tmp_path / "s")
+    store = write(tmp_path, EXAMPLES)
     for arr in (store.tokens, store.labels, store.offsets):
         assert isinstance(arr, np.memmap)
     ids, _ = store.example(4)
     assert np.shares_memory(ids, store.tokens)            # a view, not a copy
     # Plain .npy files: numpy reads them without pickle, fully, too.
-    full = np.load(tmp_path / "s" / "tokens.npy", allow_pickle=False)
+    full = np.load(store.path / "tokens.npy", allow_pickle=False)
     assert full.tolist() == [t for ids, _ in EXAMPLES for t in ids]
-    assert np.load(tmp_path / "s" / "offsets.npy").dtype == np.int64
+    assert np.load(store.path / "offsets.npy").dtype == np.int64
 
 
 def test_pickles_by_path(tmp_path):
-    store = write_token_store(EXAMPLES, tmp_path / "s")
+    store = write(tmp_path, EXAMPLES)
     blob = pickle.dumps(store)
     assert len(blob) < 500
     _check(pickle.loads(blob), EXAMPLES)
@@ -65,22 +76,22 @@ def test_pickles_by_path(tmp_path):
 
 def test_rejects_bad_examples(tmp_path):
     with pytest.raises(ValueError, match="example 1: 2 input_ids but 1 labels"):
-        write_token_store([([1], [1]), ([1, 2], [1])], tmp_path / "s")
+        write(tmp_path, [([1], [1]), ([1, 2], [1])])
     with pytest.raises(ValueError, match="outside int32"):
-        write_token_store([([2**31], [1])], tmp_path / "s")
+        write(tmp_path, [([2**31], [1])])
     with pytest.raises(ValueError, match="reserved"):
-        write_token_store(EXAMPLES, tmp_path / "s", meta={"n_tokens": 3})
-    assert not (tmp_path / "s").exists()
-    assert not list(tmp_path.iterdir()), "a failed write left a temp dir"
+        write(tmp_path, EXAMPLES, meta_fn=lambda: {"n_tokens": 3})
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].endswith(".lock"), f"a failed write left a store or a temp dir: {left}"
 
 
 def test_group_size(tmp_path):
     pairs = [([1, 2], [IGNORE, 2]), ([1, 3], [IGNORE, 3]), ([4], [4]), ([5, 6, 7], [5, 6, 7])]
-    store = write_token_store(pairs, tmp_path / "dpo", group_size=2)
+    store = write(tmp_path / "dpo", pairs, group_size=2)
     assert store.group_size == 2 and store.n_groups == 2
-    assert json.loads((tmp_path / "dpo" / "meta.json").read_text())["group_size"] == 2
+    assert json.loads((store.path / "meta.json").read_text())["group_size"] == 2
     with pytest.raises(ValueError, match="not a multiple of group_size 2"):
-        write_token_store(pairs[:3], tmp_path / "odd", group_size=2)
+        write(tmp_path / "odd", pairs[:3], group_size=2)
 
 
 def _counting_build(examples):
@@ -90,9 +101,6 @@ def _counting_build(examples):
         calls.append(1)
         yield from examples
     return build, calls
-
-
-KEY = {"tokenizer": "abc", "data": ["f00"], "seq_len": 64, "code": 1}
 
 
 def test_cache_builds_once(tmp_path):
@@ -190,7 +198,7 @@ def test_streams_large_input_without_lists(tmp_path):
             ids = np.arange(n, dtype=np.int64) + i
             yield ids, np.where(ids % 2 == 0, ids, IGNORE)
 
-    store = write_token_store(gen(), tmp_path / "s", chunk_tokens=1000)
+    store = write(tmp_path, gen(), chunk_tokens=1000)
     assert store.lengths().tolist() == lens.tolist()
     ids, lab = store.example(123)
     assert ids.tolist() == (np.arange(lens[123]) + 123).tolist()

@@ -248,7 +248,7 @@ def test_drop_fraction_check_names_counts_reasons_and_fixes():
 
 
 def test_drop_fraction_on_a_cached_token_store(tiny_tok, tmp_path):
-    """What engine.stages.token_store does: check the store's clean report, on a build and on a cache hit."""
+    """What data.pipeline.StageData.store does: check the store's clean report, on a build and on a cache hit."""
     pairs = preference_fixture(50)
     tok_dir = Path(tiny_tok.name_or_path)
     for overlong, fails in (("truncate", True), ("truncate_prompt", False)):
@@ -278,5 +278,4 @@ def test_drop_fraction_fix_per_reason(reason, fix):
 def test_prompt_truncated_in_report_only_when_used():
     a, b = CleanReport(rows=2, kept=2), CleanReport(rows=1, kept=1, prompt_truncated=1)
     assert "prompt_truncated" not in a.as_dict() and "prompt cut" not in str(a)
-    a.merge(b)
-    assert a.as_dict()["prompt_truncated"] == 1 and str(a).endswith("; prompt cut 1")
+    assert b.as_dict()["prompt_truncated"] == 1 and str(b).endswith("; prompt cut 1")

@@ -1,4 +1,5 @@
-"""engine/checkpoint.py: round trip, async stall, atomicity under crashes, corruption, pruning."""
+"""engine/checkpoint.py: round trip, async stall, atomicity under crashes, corruption, pruning; the
+loop's Checkpointer (resume checks, trainer_state.json format, directory key)."""
 import json
 import logging
 import os
@@ -15,8 +16,10 @@ import pytest
 import torch
 
 import engine.checkpoint as ckpt_mod
-from engine.checkpoint import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError, CheckpointManager, CheckpointUnusable,
-                               capture_rng, config_diff, restore_rng)
+from configs.schema import CheckpointConfig, Config
+from engine.checkpoint import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError, CheckpointManager,
+                               Checkpointer, CheckpointUnusable, IncompatibleResumeError, TrainState, capture_rng,
+                               config_diff, restore_rng)
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import Decoder, DecoderConfig, inject_lora
@@ -341,3 +344,113 @@ def test_config_diff_names_differing_dotted_keys():
     assert config_diff(saved, current, keys) == ["model.hidden_size", "model.tie_embeddings", "lora.r"]
     assert config_diff(saved, saved, keys) == []
     assert config_diff(saved, {**current, "tokenizer": {}}, ["tokenizer.vocab_size"]) == ["tokenizer.vocab_size"]
+
+
+# ---------------------------------------------------------------- Checkpointer: the loop's side
+
+SYNC = CheckpointConfig(async_save=False)
+
+
+def test_incompatible_resume_is_refused_naming_the_key(tmp_path):
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(3, weights={n: p.detach() for n, p in m.named_parameters()}, optimizer=opt.state_dict(),
+             trainer_state={"step": 3, "config": {"lora": {"r": 8}, "seq_len": 64}}, rng=capture_rng())
+    with pytest.raises(IncompatibleResumeError, match="lora"):
+        Checkpointer(tmp_path, SYNC, run_config={"lora": {"r": 16}, "seq_len": 64}, name="sft").restore(m, opt)
+    state = Checkpointer(tmp_path, SYNC, run_config={"lora": {"r": 8}, "seq_len": 64}, name="sft").restore(m, opt)
+    assert state.step == 3
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))          # 0.weight, 0.bias
+    with pytest.raises(IncompatibleResumeError, match="weights differ"):
+        Checkpointer(tmp_path, SYNC, run_config={"lora": {"r": 8}, "seq_len": 64}).restore(
+            other, torch.optim.AdamW(other.parameters()))
+
+
+def test_trainer_state_json_keeps_its_format_and_resumes(tmp_path):
+    """trainer_state.json as the loop wrote it before TrainState existed: it resumes, and a save of the
+    restored state writes the same content (so older checkpoints and newer ones are interchangeable)."""
+    m, opt = trained()
+    run_config = {"model": None, "lora": {"r": 4}, "inputs": ["abc"], "seq_len": 16, "batch_size": 2, "packing": True}
+    saved = {"step": 4, "tokens": 400, "losses": [4.0, 3.5, 3.25, 3.0], "skipped": 1,
+             "data_state": {"order": {"epoch": 1, "position": 3}, "packer": {"buffer": [1]}},
+             "val_losses": [[2, 3.5], [4, 3.75]], "best_val_loss": 3.5, "best_step": 2, "bad_evals": 1,
+             "stopped_early": False, "config": run_config, "config_hash": ckpt_mod.sha256_json(run_config),
+             "code_version": ckpt_mod.CODE_VERSION, "max_steps": 10, "epoch": 1}
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(4, weights=weights_of(m), optimizer=opt.state_dict(), trainer_state=saved, rng=capture_rng())
+        mgr.save_best({k: v.detach() for k, v in weights_of(m).items()}, step=2, val_loss=3.5)
+    before = (tmp_path / "step-00000004" / TRAINER_STATE).read_text()
+    m2, opt2 = trained(steps=0)
+    ckpt = Checkpointer(tmp_path, SYNC, run_config=run_config)
+    state = ckpt.restore(m2, opt2)
+    assert state == TrainState(**{k: saved[k] for k in vars(TrainState())})
+    assert_nested_equal(weights_of(m), weights_of(m2))
+    with torch.no_grad():
+        for p in weights_of(m2).values():
+            p.add_(1.0)
+    ckpt.restore_best(m2, state)                                        # best_step 2 came back with it
+    assert_nested_equal(weights_of(m), weights_of(m2))
+    ckpt.save(state, m2, opt2, with_optimizer=True, max_steps=10)      # replaces step 4
+    ckpt.close()
+    assert (tmp_path / "step-00000004" / TRAINER_STATE).read_text() == before
+
+
+def test_without_a_root_nothing_is_written_and_the_best_stays_in_memory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    m, opt = trained()
+    ckpt = Checkpointer()
+    assert ckpt.restore(m, opt) is None and ckpt.root is None
+    state = TrainState(step=3)
+    ckpt.maybe_save(state, m, opt, stop=True, max_steps=5)
+    state.validated(1.0, 0.0, 0)
+    ckpt.save_best(state, m)
+    best = {k: v.detach().clone() for k, v in weights_of(m).items()}
+    with torch.no_grad():
+        for p in weights_of(m).values():
+            p.add_(1.0)
+    state.step = 5
+    ckpt.restore_best(m, state)
+    assert_nested_equal(best, {k: v.detach() for k, v in weights_of(m).items()})
+    assert ckpt.metrics() == {} and list(tmp_path.iterdir()) == []
+
+
+def test_train_state_validated_counts_patience():
+    s = TrainState(step=2)
+    assert s.validated(3.0, 0.1, 2) and (s.best_step, s.best_val_loss) == (2, 3.0)
+    s.step = 4
+    assert not s.validated(2.95, 0.1, 2) and s.bad_evals == 1 and not s.stopped_early    # within min_delta
+    s.step = 6
+    assert not s.validated(3.5, 0.1, 2) and s.stopped_early
+    assert s.val_losses == [[2, 3.0], [4, 2.95], [6, 3.5]]
+
+
+def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
+    """The directory hash is the one engine/stages.py computed before: checkpoints made by an earlier
+    version are still found (and a changed max_steps/log_every still resumes)."""
+    import artifacts
+    inputs = []
+    for name in ("tokenizer", "data"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f.txt").write_text(name)
+        artifacts.write_manifest(tmp_path / name, name)
+        inputs.append(tmp_path / name)
+    cfg = Config(runs_dir=tmp_path / "runs", run_name="r")
+    model, _ = trained(lora=False, steps=0)
+    digests = [artifacts.read_manifest(p)["digest"] for p in inputs]
+    for stage, tc in (("pretrain", cfg.pretrain), ("sft", cfg.sft)):
+        section = tc.model_dump(mode="json", exclude={"max_steps", "log_every"})
+        key = artifacts.sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
+                                     "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
+                                     "attention": cfg.attention, "inputs": digests})
+        ckpt = Checkpointer.for_stage(cfg, stage, tc, inputs, model)
+        assert ckpt.root == cfg.run_dir / "checkpoints" / f"{stage}-{key[:12]}" and ckpt.name == stage
+        longer = Checkpointer.for_stage(cfg, stage, tc.model_copy(update={"max_steps": 999, "log_every": 3}), inputs,
+                                        model)
+        assert longer.root == ckpt.root
+        lora = getattr(tc, "lora", None)          # what the loop saved as trainer_state["config"] before
+        assert ckpt.run_config == {"model": model.config.to_dict() if stage == "pretrain" else None,
+                                   "lora": lora.model_dump(mode="json") if lora is not None else None,
+                                   "inputs": digests, "seq_len": tc.seq_len, "batch_size": tc.batch_size,
+                                   "packing": tc.packing}
+        assert list(ckpt.run_config) == ["model", "lora", "inputs", "seq_len", "batch_size", "packing"]

@@ -1,10 +1,9 @@
 """Validation during training: early stopping (patience, min_delta) and the best weights carried forward."""
 import itertools
 
-import pytest
 import torch
 
-from engine.checkpoint import CheckpointManager
+from engine.checkpoint import CheckpointManager, Checkpointer
 from engine.losses import causal_lm_loss
 from engine.trainer import train
 from configs.schema import CheckpointConfig
@@ -26,9 +25,9 @@ def run(values, tmp_path=None, **kw):
     m = tiny()
     validate, seen, ref = scripted(values)
     ref[0] = m
-    manager = CheckpointManager(tmp_path, async_save=False) if tmp_path else None
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(save_every=0, async_save=False)) if tmp_path else None
     summary = train(m, causal_lm_loss, lambda _: itertools.repeat(batch()), cfg(**kw), CPU, validate=validate,
-                    checkpoints=manager, ckpt_cfg=CheckpointConfig(save_every=0))
+                    checkpointer=ckpt)
     return m, summary, seen
 
 
@@ -80,10 +79,10 @@ def test_resume_keeps_the_best_weights_from_before_the_restart(tmp_path):
     m = tiny()
     validate, seen, ref = scripted([3.0, 1.0, 2.0, 2.5])
     ref[0] = m
-    ck = CheckpointConfig(save_every=2, save_optimizer_every=2)
+    ck = CheckpointConfig(save_every=2, save_optimizer_every=2, async_save=False)
     go = lambda steps: train(m, causal_lm_loss, lambda _: itertools.repeat(batch()),   # noqa: E731
                              cfg(max_steps=steps, eval_every=2), CPU, validate=validate,
-                             checkpoints=CheckpointManager(tmp_path, async_save=False), ckpt_cfg=ck)
+                             checkpointer=Checkpointer(tmp_path, ck))
     go(4)                                   # validations at 2 and 4: best is step 4
     m.lm_head.weight.data.add_(1.0)         # a fresh process would not have them in memory anyway
     s = go(8)                               # resumes at step 4; validations at 6, 8 are worse

@@ -244,9 +244,12 @@ def test_train_overfits_a_fixed_batch(tmp_path):
     m = tiny()
     b = batch(B=4, T=12)
     logs = []
-    summary = train(m, causal_lm_loss, lambda _: itertools.repeat(b), cfg(max_steps=30, lr=1e-2, warmup_steps=3,
-                    min_lr_ratio=0.1, grad_clip=1.0, log_every=1), CPU,
-                    metrics_path=tmp_path / "metrics.jsonl", on_log=logs.append)
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:     # as the stages keep metrics.jsonl
+        def on_log(summary):
+            print(json.dumps(summary), file=f, flush=True)
+            logs.append(summary)
+        summary = train(m, causal_lm_loss, lambda _: itertools.repeat(b), cfg(max_steps=30, lr=1e-2, warmup_steps=3,
+                        min_lr_ratio=0.1, grad_clip=1.0, log_every=1), CPU, on_log=on_log)
     losses_ = [r["loss"] for r in logs]
     assert len(losses_) == 30
     assert losses_[0] == pytest.approx(math.log(VOCAB), rel=0.05)       # ~uniform at init

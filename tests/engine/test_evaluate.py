@@ -27,7 +27,7 @@ from engine.evaluate import (
     compare_prompts, greedy_answers, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate,
     task_metrics,
 )
-from engine import stages
+from engine import heldout
 from engine.losses import DPOLoss
 from model import Decoder, DecoderConfig, inject_lora
 
@@ -362,11 +362,11 @@ def test_eval_counts_bad_rows_instead_of_failing_with_skip(tok, eval_data, tmp_p
     prepare_data(cfg.data, data_dir)
     model = tiny_decoder(tok)
     inject_lora(model, ["q_proj", "v_proj"], r=2, alpha=4)
-    lm = stages.eval_lm(cfg, model, tok, data_dir)
+    lm = heldout.eval_lm(cfg, model, tok, data_dir)
     assert lm["bad_rows_pretrain_eval"] == 2 and lm["documents"] >= 6 and math.isfinite(lm["loss"])
-    tasks = stages.eval_tasks(cfg, model, tok, data_dir)
+    tasks = heldout.eval_tasks(cfg, model, tok, data_dir)
     assert tasks["bad_rows_sft_eval"] == 2 and tasks["n"] == 6
-    prefs = stages.eval_preferences(cfg, model, tok, data_dir)
+    prefs = heldout.eval_preferences(cfg, model, tok, data_dir)
     assert (prefs["bad_rows_dpo_eval"], prefs["bad_rows_sft_eval"], prefs["n"]) == (2, 2, 6)
 
 

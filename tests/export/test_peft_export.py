@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from configs.schema import LoRAConfig
-from engine.stages import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_adapter, load_policy, save_adapter
+from model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_adapter, load_policy, save_adapter
 from export import VLLM_SPLIT_ARCHS, write_peft_adapter
 from model import Decoder, DecoderConfig, inject_lora
 from model.hf import HF_ARCHITECTURES, load_native, save_hf, save_native

@@ -4,6 +4,7 @@ import torch
 
 import kernels
 from kernels import reference
+from tests.kernel_check import close, leaf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -11,24 +12,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)])
 def test_flex_matches_dense_mask(dtype, atol, heads, kv_heads):
-    torch.manual_seed(0)
     B, T, D = 2, 384, 64
     doc_ids = torch.zeros(B, T, dtype=torch.long, device="cuda")
     doc_ids[0, :100], doc_ids[0, 100:250], doc_ids[0, 250:370] = 1, 2, 3      # 370..383 padding
     doc_ids[1, :384] = 4
-    q = torch.randn(B, heads, T, D, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(B, kv_heads, T, D, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(B, kv_heads, T, D, device="cuda", dtype=dtype, requires_grad=True)
-    g = torch.randn(B, heads, T, D, device="cuda", dtype=dtype)
-    kernels.use("auto", "flex")
-    try:
+    q = leaf(B, heads, T, D, dtype=dtype, seed=0, device="cuda")
+    k = leaf(B, kv_heads, T, D, dtype=dtype, seed=1, device="cuda")
+    v = leaf(B, kv_heads, T, D, dtype=dtype, seed=2, device="cuda")
+    g = leaf(B, heads, T, D, dtype=dtype, seed=3, requires_grad=False, device="cuda")
+    with kernels.using("auto", "flex"):
         out = kernels.attention(q, k, v, kernels.document_causal_mask(doc_ids))
-    finally:
-        kernels.use("auto", "auto")
     grads = torch.autograd.grad(out, (q, k, v), g)
     ref = reference.attention(q, k, v, reference.document_causal_mask(doc_ids))
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     real = (doc_ids > 0)[:, None, :, None]
-    torch.testing.assert_close(out * real, ref * real, atol=atol, rtol=atol)
+    close(out * real, ref * real, (atol, atol))
     for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=atol * 4, rtol=atol * 4)
+        close(a, b, (atol * 4, atol * 4))

@@ -4,6 +4,7 @@ import torch
 
 from kernels import reference as ref
 from kernels import triton_linear_loss as tll
+from tests.kernel_check import leaf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -17,9 +18,9 @@ def rel_err(a, b):
 
 
 def inputs(dtype, weight_grad, seed=0, shape=(N,)):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    h = torch.randn(*shape, C, device="cuda", generator=gen, dtype=dtype).requires_grad_()
-    w = (torch.randn(V, C, device="cuda", generator=gen) * 0.02).to(dtype).requires_grad_(weight_grad)
+    h = leaf(*shape, C, dtype=dtype, seed=seed, device="cuda")
+    w = leaf(V, C, dtype=dtype, seed=seed + 1, scale=0.02, requires_grad=weight_grad, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
     labels = torch.randint(0, V, shape, device="cuda", generator=gen)
     labels[torch.rand(shape, device="cuda", generator=gen) < 0.3] = -100
     return h, w, labels

@@ -5,47 +5,34 @@ keeps no out-sized (M × out) or in-sized (M × in) tensor alive for backward.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import reference
 from kernels import triton_lora_linear as tll
 from kernels.triton_lora_linear import dropout_mask, dropout_seed, lora_linear
+from tests.kernel_check import Tol, check, lora_inputs, masked_lora_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # dtype -> (atol as a fraction of the reference's max |value|, rtol), against an fp32/fp64 reference.
-TOL = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 5e-3), torch.float32: (1e-4, 1e-4)}
+TOL = {torch.bfloat16: Tol(1e-2, 2e-2, scaled=True), torch.float16: Tol(2e-3, 5e-3, scaled=True),
+       torch.float32: Tol(1e-4, 1e-4, scaled=True)}
 M, SCALE = 16384, 2.0
 SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048)]
 
 
-def close(out, ref, dtype):
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.to(ref.dtype), ref, atol=atol * ref.abs().max().item(), rtol=rtol)
-
-
 def make(rows, k, n, r, dtype):
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * std).to(dtype)
-    x = rnd(rows, k).requires_grad_(True)
-    return x, rnd(n, k, std=k ** -0.5), rnd(r, k, std=k ** -0.5).requires_grad_(True), \
-        rnd(n, r, std=r ** -0.5).requires_grad_(True), rnd(rows, n)
+    return lora_inputs((rows,), k, n, r, dtype, device="cuda")
 
 
-def check(x, w, a, b, dy, p, dtype, ref_dtype):
+def check_dropout(x, w, a, b, dy, p, dtype, ref_dtype):
+    """Training-mode forward + backward with dropout p vs the reference with the same keep mask."""
     rows, k = x.shape
     torch.manual_seed(1)
     keep = dropout_mask(dropout_seed("cuda"), rows, k, p) if p else torch.ones(rows, k, dtype=torch.bool, device="cuda")
-    torch.manual_seed(1)
-    out = lora_linear(x, w, a, b, SCALE, p, True)
-    got = (out, *torch.autograd.grad(out, (x, a, b), dy))
-    xr, wr, ar, br = (t.detach().to(ref_dtype).requires_grad_(t.requires_grad) for t in (x, w, a, b))
-    ref_out = F.linear(xr, wr) + SCALE * F.linear(F.linear(xr * keep / (1 - p), ar), br)
-    ref = (ref_out, *torch.autograd.grad(ref_out, (xr, ar, br), dy.to(ref_dtype)))
-    for g_, e in zip(got, ref):
-        close(g_, e, dtype)
+    torch.manual_seed(1)                                       # the same draw again, inside lora_linear
+    check(lambda x, w, a, b: lora_linear(x, w, a, b, SCALE, p, True),
+          lambda x, w, a, b: masked_lora_reference(x, w, a, b, SCALE, keep, p),
+          (x, w, a, b), TOL[dtype], ref_dtype=ref_dtype, grad_outputs=(dy,))
     assert w.grad is None
 
 
@@ -53,13 +40,13 @@ def check(x, w, a, b, dy, p, dtype, ref_dtype):
 @pytest.mark.parametrize("r", [16, 64])
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_bf16_real_shapes(k, n, r, p):
-    check(*make(M, k, n, r, torch.bfloat16), p, torch.bfloat16, torch.float32)
+    check_dropout(*make(M, k, n, r, torch.bfloat16), p, torch.bfloat16, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp32_fp16_with_dropout(dtype):
     # fp32 runs the kernels' "ieee" dots, fp16 the tf32 ones, and cuBLAS without TF32.
-    check(*make(4096, 1000, 768, 16, dtype), 0.1, dtype, torch.float64)
+    check_dropout(*make(4096, 1000, 768, 16, dtype), 0.1, dtype, torch.float64)
 
 
 @pytest.mark.parametrize("k", [2048, 5632, 1001])

@@ -42,23 +42,20 @@ def packed_batch(seed: int, docs: int, answer_only: bool, group_size: int = 1) -
 
 
 def run(backend: str, stage: str) -> list[float]:
-    kernels.use(backend)
-    try:
-        m = model()
-        if stage == "pretrain":
-            loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=False) for s in range(1)]
+    m = model()
+    if stage == "pretrain":
+        loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=False) for s in range(1)]
+    else:
+        inject_lora(m, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=4, alpha=8)
+        if stage == "sft":
+            loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=True) for s in range(1)]
         else:
-            inject_lora(m, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=4, alpha=8)
-            if stage == "sft":
-                loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=True) for s in range(1)]
-            else:
-                loss_fn, batches = DPOLoss(beta=0.5, nll_weight=1.0), [packed_batch(s, 4, True, 2) for s in range(1)]
-        logs = []
-        cfg = TrainConfig(max_steps=2, batch_size=4, seq_len=64, lr=3e-2, warmup_steps=0, log_every=1)
+            loss_fn, batches = DPOLoss(beta=0.5, nll_weight=1.0), [packed_batch(s, 4, True, 2) for s in range(1)]
+    logs = []
+    cfg = TrainConfig(max_steps=2, batch_size=4, seq_len=64, lr=3e-2, warmup_steps=0, log_every=1)
+    with kernels.using(backend):
         train(m, loss_fn, lambda _: itertools.repeat(batches[0]), cfg, CPU, on_log=logs.append)
-        return [r["loss"] for r in logs]
-    finally:
-        kernels.use("auto")
+    return [r["loss"] for r in logs]
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo"])
@@ -74,15 +71,29 @@ def test_triton_backend_really_dispatches_to_triton(monkeypatch):
     monkeypatch.setattr(kernels, "_triton_op", lambda name: calls.append(name) or real(name))
     m = model()
     inject_lora(m, ["q_proj", "down_proj"], r=4, alpha=8)
-    try:
-        for backend, expected in (("triton", {"rms_norm", "apply_rope", "swiglu", "lora_linear",
-                                              "linear_cross_entropy", "linear_token_logprobs"}),
-                                  ("auto", set())):      # CPU tensors: "auto" keeps the reference
-            kernels.use(backend)
-            calls.clear()
-            with torch.no_grad():
-                causal_lm_loss(m, packed_batch(0, 2, answer_only=True))
-                DPOLoss(beta=0.1)(m, packed_batch(0, 4, True, 2))
-            assert set(calls) == expected
-    finally:
-        kernels.use("auto")
+    for backend, expected in (("triton", {"rms_norm", "apply_rope", "swiglu", "lora_linear",
+                                          "linear_cross_entropy", "linear_token_logprobs"}),
+                              ("auto", set())):      # CPU tensors: "auto" keeps the reference
+        calls.clear()
+        with kernels.using(backend), torch.no_grad():
+            causal_lm_loss(m, packed_batch(0, 2, answer_only=True))
+            DPOLoss(beta=0.1)(m, packed_batch(0, 4, True, 2))
+        assert set(calls) == expected
+
+
+def test_using_restores_the_previous_choice():
+    def current():
+        return kernels._BACKEND, kernels._ATTENTION
+    before = current()
+    with kernels.using("triton", "sdpa"):
+        assert current() == ("triton", "sdpa")
+        with pytest.raises(RuntimeError), kernels.using("reference"):
+            assert current() == ("reference", "auto")
+            raise RuntimeError("a failing step")
+        assert current() == ("triton", "sdpa")
+    assert current() == before
+    with pytest.raises(ValueError, match="backend"), kernels.using("cuda"):
+        pass
+    with pytest.raises(ValueError, match="attention"), kernels.using("auto", "dense"):
+        pass
+    assert current() == before

@@ -6,6 +6,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kernels import reference as ref
+from tests.kernel_check import close, grads, leaf, upcast
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -16,21 +17,6 @@ DTYPES = list(TOL)
 # so they are checked against a float64 reference with these tolerances.
 LOSS_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
 LOSS_DTYPES = list(LOSS_TOL)
-
-
-def close(a, b, dtype):
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
-
-
-def grads(out, inputs, seed=0):
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
-    return torch.autograd.grad(out, inputs, g)
-
-
-def leaf(*shape, dtype, seed, scale=1.0):
-    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
-    return t.to(dtype).requires_grad_(True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -44,11 +30,11 @@ def test_rms_norm_matches_llama_rmsnorm(shape, dtype):
         hf.weight.copy_(w)
     ours = ref.rms_norm(x, w, eps)
     theirs = hf(x)
-    close(ours, theirs, dtype)
+    close(ours, theirs, TOL[dtype])
     gx, gw = grads(ours, (x, w))
     hx, hw = grads(theirs, (x, hf.weight))
-    close(gx, hx, dtype)
-    close(gw, hw, dtype)
+    close(gx, hx, TOL[dtype])
+    close(gw, hw, TOL[dtype])
 
 
 def test_rms_norm_uses_eps():
@@ -74,17 +60,17 @@ def test_rope_matches_llama_rotary(B, H, Hkv, T, D, theta, dtype):
     hcos, hsin = rotary(q, pos)
     assert cos.shape == (B, T, D)
     assert cos.dtype == torch.float32       # tables stay fp32; apply_rope casts them to q's dtype
-    close(cos.to(dtype), hcos, dtype)       # HF returns them already in x's dtype
-    close(sin.to(dtype), hsin, dtype)
+    close(cos.to(dtype), hcos, TOL[dtype])  # HF returns them already in x's dtype
+    close(sin.to(dtype), hsin, TOL[dtype])
 
     oq, ok = ref.apply_rope(q, k, cos, sin)
     tq, tk = apply_rotary_pos_emb(q, k, cos.to(dtype), sin.to(dtype), unsqueeze_dim=1)
-    close(oq, tq, dtype)
-    close(ok, tk, dtype)
+    close(oq, tq, TOL[dtype])
+    close(ok, tk, TOL[dtype])
     g_ours = grads(oq.sum() + (ok * 2).sum() + oq.pow(2).sum(), (q, k))
     g_hf = grads(tq.sum() + (tk * 2).sum() + tq.pow(2).sum(), (q, k))
     for a, b in zip(g_ours, g_hf):
-        close(a, b, dtype)
+        close(a, b, TOL[dtype])
 
 
 def test_rope_position_zero_is_identity_and_norm_preserving():
@@ -104,7 +90,6 @@ def test_swiglu_explicit():
 @pytest.mark.parametrize("dtype", LOSS_DTYPES)
 @pytest.mark.parametrize("N, C, V", [(17, 24, 123), (5, 8, 7)])
 def test_linear_cross_entropy_matches_mean_ce(N, C, V, dtype):
-    atol, rtol = LOSS_TOL[dtype]
     h = leaf(N, C, dtype=dtype, seed=5)
     w = leaf(V, C, dtype=dtype, seed=6, scale=0.5)
     labels = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(7))
@@ -113,14 +98,14 @@ def test_linear_cross_entropy_matches_mean_ce(N, C, V, dtype):
     assert count.item() == int((labels != -100).sum())
     assert loss_sum.dtype == torch.float32
     ours = loss_sum / count
-    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    h64, w64 = upcast(h, w)
     theirs = F.cross_entropy(F.linear(h64, w64), labels, ignore_index=-100)
-    torch.testing.assert_close(ours.double(), theirs, atol=atol, rtol=rtol)
+    close(ours.double(), theirs, LOSS_TOL[dtype])
     gh, gw = torch.autograd.grad(ours, (h, w))
     th, tw = torch.autograd.grad(theirs, (h64, w64))
     assert gh.dtype == dtype and gw.dtype == dtype
-    torch.testing.assert_close(gh.double(), th, atol=atol, rtol=rtol)
-    torch.testing.assert_close(gw.double(), tw, atol=atol, rtol=rtol)
+    close(gh.double(), th, LOSS_TOL[dtype])
+    close(gw.double(), tw, LOSS_TOL[dtype])
     assert gh[::3].abs().max() == 0     # ignored rows get no gradient
 
 
@@ -135,7 +120,6 @@ def test_linear_cross_entropy_custom_ignore_index():
 @pytest.mark.parametrize("dtype", LOSS_DTYPES)
 @pytest.mark.parametrize("B, T, C, V", [(3, 9, 16, 101), (1, 4, 5, 11)])
 def test_linear_token_logprobs_matches_gather(B, T, C, V, dtype):
-    atol, rtol = LOSS_TOL[dtype]
     h = leaf(B, T, C, dtype=dtype, seed=8)
     w = leaf(V, C, dtype=dtype, seed=9, scale=0.5)
     labels = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(10))
@@ -143,21 +127,21 @@ def test_linear_token_logprobs_matches_gather(B, T, C, V, dtype):
     ours = ref.linear_token_logprobs(h, w, labels)
     assert ours.shape == (B, T) and ours.dtype == torch.float32
 
-    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    h64, w64 = upcast(h, w)
     logp = torch.log_softmax(h64 @ w64.T, dim=-1)
     rows = []
     for b in range(B):
         rows.append(torch.stack([logp[b, t, labels[b, t]] if labels[b, t] != -100 else logp.new_zeros(())
                                  for t in range(T)]))
     theirs = torch.stack(rows)
-    torch.testing.assert_close(ours.double(), theirs, atol=atol, rtol=rtol)
+    close(ours.double(), theirs, LOSS_TOL[dtype])
     assert (ours[:, -2:] == 0).all()
 
     g = torch.randn(B, T, generator=torch.Generator().manual_seed(0))
     gh, gw = torch.autograd.grad(ours, (h, w), g)
     th, tw = torch.autograd.grad(theirs, (h64, w64), g.double())
-    torch.testing.assert_close(gh.double(), th, atol=atol, rtol=rtol)
-    torch.testing.assert_close(gw.double(), tw, atol=atol, rtol=rtol)
+    close(gh.double(), th, LOSS_TOL[dtype])
+    close(gw.double(), tw, LOSS_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,9 +153,9 @@ def test_lora_linear_matches_formula(lead, IN, OUT, r, scale, dtype):
     Bm = leaf(OUT, r, dtype=dtype, seed=14)
     ours = ref.lora_linear(x, W, A, Bm, scale)
     theirs = x @ W.T + scale * (x @ A.T) @ Bm.T
-    close(ours, theirs, dtype)
+    close(ours, theirs, TOL[dtype])
     for a, b in zip(grads(ours, (x, W, A, Bm)), grads(theirs, (x, W, A, Bm))):
-        close(a, b, dtype)
+        close(a, b, TOL[dtype])
 
 
 def test_lora_linear_dropout_only_on_adapter_path_and_only_in_training():

@@ -4,6 +4,7 @@ import torch
 
 from kernels import reference as ref
 from kernels import triton_linear_loss as tll
+from tests.kernel_check import close, leaf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -23,17 +24,6 @@ CHUNK = 8
 def small_vocab_block(monkeypatch):
     """Several vocab blocks per row (the last one partial), so the online softmax is exercised."""
     monkeypatch.setattr(tll, "_MAX_BLOCK_V", 256)
-
-
-def close(a, b, tol):
-    atol, rtol = tol
-    assert a.dtype == b.dtype and a.shape == b.shape
-    torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
-
-
-def leaf(*shape, dtype, seed, scale=1.0, requires_grad=True):
-    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
-    return t.to(dtype).requires_grad_(requires_grad)
 
 
 def make_labels(shape, seed, ignored=0.3):

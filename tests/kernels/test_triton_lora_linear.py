@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from kernels import reference
 from kernels import triton_lora_linear as tll
 from kernels.triton_lora_linear import dropout_mask, dropout_seed, lora_linear
+from tests.kernel_check import Tol, check, close, lora_inputs, masked_lora_reference, upcast
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
 # dtype -> (atol as a fraction of the reference's max |value|, rtol), against a float64 reference.
-TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (4e-3, 1e-2), torch.bfloat16: (2e-2, 3e-2)}
+TOL = {torch.float32: Tol(1e-5, 1e-4, scaled=True), torch.float16: Tol(4e-3, 1e-2, scaled=True),
+       torch.bfloat16: Tol(2e-2, 3e-2, scaled=True)}
 DTYPES = [torch.float32, torch.float16]
 SCALE = 2.0
 # (leading dims, in, out, r)
@@ -23,22 +25,9 @@ SHAPES = [((2, 5), 50, 70, 3), ((13,), 64, 48, 16), ((3, 1, 7), 33, 65, 8)]
 DROPOUT_SHAPES = [((2, 67), 50, 70, 3), ((130,), 130, 40, 16)]
 
 
-def close(out, ref, dtype):
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.double(), ref.double(), atol=atol * ref.abs().max().item(), rtol=rtol)
-
-
-def make(lead, k, n, r, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * std).to(dtype)
-    x = rnd(*lead, k).requires_grad_(True)
-    w = rnd(n, k, std=k ** -0.5)                      # frozen
-    a = rnd(r, k, std=k ** -0.5).requires_grad_(True)
-    b = rnd(n, r, std=r ** -0.5).requires_grad_(True)  # non-zero, unlike the init: the LoRA term matters
-    dy = rnd(*lead, n)
-    return x, w, a, b, dy
+def op(fn, **kw):
+    """fn(x, w, a, b) at SCALE: the signature `check` calls, with W among the (frozen) inputs."""
+    return lambda x, w, a, b: fn(x, w, a, b, SCALE, **kw)
 
 
 def run(fn, x, w, a, b, dy, **kw):
@@ -49,80 +38,57 @@ def run(fn, x, w, a, b, dy, **kw):
     return out, *(next(grads) if t.requires_grad else None for t in (x, a, b))
 
 
-def upcast(*ts):
-    return [t.detach().double().requires_grad_(t.requires_grad) for t in ts]
-
-
-def masked_reference(x, w, a, b, scale, keep, p):
-    """reference.lora_linear with F.dropout's random mask replaced by `keep`."""
-    return F.linear(x, w) + scale * F.linear(F.linear(x * keep.view(x.shape) / (1 - p), a), b)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead,k,n,r", SHAPES)
 def test_matches_reference(lead, k, n, r, dtype):
-    x, w, a, b, dy = make(lead, k, n, r, dtype)
-    got = run(lora_linear, x, w, a, b, dy)
-    ref = run(reference.lora_linear, *upcast(x, w, a, b, dy))
-    assert got[0].dtype == dtype and got[0].shape == (*lead, n)
-    for g, e in zip(got, ref):
-        close(g, e, dtype)
-    assert w.grad is None
+    x, w, a, b, dy = lora_inputs(lead, k, n, r, dtype)
+    (out,), (ref_out,) = check(op(lora_linear), op(reference.lora_linear), (x, w, a, b), TOL[dtype], grad_outputs=(dy,))
+    assert out.shape == (*lead, n) and w.grad is None
     base = F.linear(*upcast(x, w))
-    assert (ref[0] - base).abs().max() > 50 * TOL[dtype][0] * ref[0].abs().max()   # the LoRA term is visible
-    assert all(g.abs().max() > 0 for g in got[1:])
+    assert (ref_out - base).abs().max() > 50 * TOL[dtype].atol * ref_out.abs().max()   # the LoRA term is visible
 
 
 def test_noncontiguous_x():
-    x, w, a, b, dy = make((2, 5), 50, 70, 3, torch.float32)
+    x, w, a, b, dy = lora_inputs((2, 5), 50, 70, 3, torch.float32)
     x = torch.randn(5, 2, 100, dtype=torch.float32).transpose(0, 1)[..., ::2].requires_grad_(True)
     assert not x.is_contiguous()
-    got = run(lora_linear, x, w, a, b, dy)
-    ref = run(reference.lora_linear, *upcast(x, w, a, b, dy))
-    for g, e in zip(got, ref):
-        close(g, e, torch.float32)
+    check(op(lora_linear), op(reference.lora_linear), (x, w, a, b), TOL[torch.float32], grad_outputs=(dy,))
 
 
 def test_input_without_grad():
-    x, w, a, b, dy = make((2, 5), 50, 70, 3, torch.float32)
+    x, w, a, b, dy = lora_inputs((2, 5), 50, 70, 3, torch.float32)
     x.requires_grad_(False)
-    got = run(lora_linear, x, w, a, b, dy)
-    ref = run(reference.lora_linear, *upcast(x, w, a, b, dy))
-    assert got[1] is None
-    for g, e in zip(got[::2] + got[3:], ref[::2] + ref[3:]):
-        close(g, e, torch.float32)
+    check(op(lora_linear), op(reference.lora_linear), (x, w, a, b), TOL[torch.float32], grad_outputs=(dy,))
 
 
 def test_base_weight_must_be_frozen():
-    x, w, a, b, dy = make((2, 5), 50, 70, 3, torch.float32)
+    x, w, a, b, dy = lora_inputs((2, 5), 50, 70, 3, torch.float32)
     w.requires_grad_(True)
     with pytest.raises(ValueError, match="freeze"):
         lora_linear(x, w, a, b, SCALE)
     with torch.no_grad():
-        close(lora_linear(x, w, a, b, SCALE), reference.lora_linear(*upcast(x, w, a, b), SCALE), torch.float32)
+        close(lora_linear(x, w, a, b, SCALE).double(), reference.lora_linear(*upcast(x, w, a, b), SCALE),
+              TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead,k,n,r", DROPOUT_SHAPES)
 def test_dropout_matches_masked_reference(lead, k, n, r, dtype):
     p, rows = 0.3, torch.Size(lead).numel()
-    x, w, a, b, dy = make(lead, k, n, r, dtype)
+    x, w, a, b, dy = lora_inputs(lead, k, n, r, dtype)
     torch.manual_seed(7)
     keep = dropout_mask(dropout_seed("cpu"), rows, k, p)
-    torch.manual_seed(7)
-    got = run(lora_linear, x, w, a, b, dy, dropout=p, training=True)
-    x64, w64, a64, b64, dy64 = upcast(x, w, a, b, dy)
-    out = masked_reference(x64, w64, a64, b64, SCALE, keep, p)
-    ref = (out, *torch.autograd.grad(out, (x64, a64, b64), dy64))
-    for g, e in zip(got, ref):
-        close(g, e, dtype)
-    no_dropout = reference.lora_linear(x64, w64, a64, b64, SCALE)
-    assert (out - no_dropout).abs().max() > 50 * TOL[dtype][0] * out.abs().max()   # the mask is visible
+    torch.manual_seed(7)                                        # the same draw again, inside lora_linear
+    _, (ref_out,) = check(op(lora_linear, dropout=p, training=True),
+                          lambda x, w, a, b: masked_lora_reference(x, w, a, b, SCALE, keep, p),
+                          (x, w, a, b), TOL[dtype], grad_outputs=(dy,))
+    no_dropout = reference.lora_linear(*upcast(x, w, a, b), SCALE)
+    assert (ref_out - no_dropout).abs().max() > 50 * TOL[dtype].atol * ref_out.abs().max()   # the mask is visible
     assert w.grad is None
 
 
 def test_dropout_rng_is_torch_driven():
-    x, w, a, b, _ = make((2, 67), 50, 70, 3, torch.float32)
+    x, w, a, b, _ = lora_inputs((2, 67), 50, 70, 3, torch.float32)
     f = lambda: lora_linear(x, w, a, b, SCALE, 0.3, True).detach()   # noqa: E731
     torch.manual_seed(3)
     y1, y2 = f(), f()
@@ -133,7 +99,7 @@ def test_dropout_rng_is_torch_driven():
     assert torch.equal(torch.get_rng_state(), state)           # eval mode draws nothing
     torch.testing.assert_close(eval_out, lora_linear(x, w, a, b, SCALE))
     # p = 1 drops the whole LoRA branch, like F.dropout.
-    close(lora_linear(x, w, a, b, SCALE, 1.0, True), F.linear(*upcast(x, w)), torch.float32)
+    close(lora_linear(x, w, a, b, SCALE, 1.0, True).double(), F.linear(*upcast(x, w)), TOL[torch.float32])
 
 
 def test_dropout_mask_statistics():
@@ -161,19 +127,19 @@ def test_triton_mask_bits_match_torch(rows, cols):
 
 
 def test_torch_path_matches_triton_path(monkeypatch):
-    x, w, a, b, dy = make((130,), 130, 40, 16, torch.float32)
+    x, w, a, b, dy = lora_inputs((130,), 130, 40, 16, torch.float32)
     torch.manual_seed(11)
     triton_path = run(lora_linear, x, w, a, b, dy, dropout=0.2, training=True)
     monkeypatch.setattr(tll, "_INTERPRET", False)                  # CPU tensors now take the torch path
     torch.manual_seed(11)
     torch_path = run(lora_linear, x, w, a, b, dy, dropout=0.2, training=True)
     for g, e in zip(triton_path, torch_path):
-        close(g, e, torch.float32)
+        close(g, e, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_autocast_bf16(dropout):
-    x, w, a, b, dy = make((2, 67), 50, 70, 3, torch.float32)
+    x, w, a, b, dy = lora_inputs((2, 67), 50, 70, 3, torch.float32)
     rows = x.shape[0] * x.shape[1]
     torch.manual_seed(5)
     keep = dropout_mask(dropout_seed("cpu"), rows, 50, dropout)
@@ -182,7 +148,7 @@ def test_autocast_bf16(dropout):
         got = run(lora_linear, x, w, a, b, dy.bfloat16(), dropout=dropout, training=True)
     assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32 and got[1].dtype == torch.float32
     x64, w64, a64, b64, dy64 = upcast(x, w, a, b, dy.bfloat16())
-    out = masked_reference(x64, w64, a64, b64, SCALE, keep, dropout)
+    out = masked_lora_reference(x64, w64, a64, b64, SCALE, keep, dropout)
     ref = (out, *torch.autograd.grad(out, (x64, a64, b64), dy64))
     for g, e in zip(got, ref):
-        close(g, e, torch.bfloat16)
+        close(g.double(), e, TOL[torch.bfloat16])

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
 from kernels.triton_rope import apply_rope
+from tests.kernel_check import check_rope, rope_projection, rope_tables
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -13,50 +13,19 @@ TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-4, 1e-3)}
 DTYPES = list(TOL)
 
 
-def projection(B, T, H, D, dtype, seed):
-    """(B, H, T, D) transposed view of a (B, T, H, D) projection, as model.Attention produces."""
-    t = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return t.to(dtype).transpose(1, 2).requires_grad_(True)
-
-
-def tables(B, T, D, theta=10000.0):
-    pos = torch.stack([torch.arange(T) + 5 * b for b in range(B)])      # per-row offsets, as with packing
-    return ref.rope_cos_sin(pos, D, theta)
-
-
-def check(q, k, cos, sin, dtype):
-    oq, ok = apply_rope(q, k, cos, sin)
-    # Reference in float64 on the tables rounded to dtype: the same numbers the reference multiplies by.
-    rq, rk = (t.detach().double().requires_grad_(True) for t in (q, k))
-    eq, ek = ref.apply_rope(rq, rk, cos.to(dtype).double(), sin.to(dtype).double())
-    atol, rtol = TOL[dtype]
-    for o, e, x in ((oq, eq, q), (ok, ek, k)):
-        assert o.dtype == x.dtype and o.shape == x.shape
-        assert o.stride() == torch.empty_like(x).stride()     # the input's layout where it is dense
-        assert not torch.equal(o, x)                       # it did rotate
-        torch.testing.assert_close(o.double(), e, atol=atol, rtol=rtol)
-    gen = torch.Generator().manual_seed(0)
-    gq, gk = (torch.randn(o.shape, generator=gen).to(dtype) for o in (oq, ok))
-    dq, dk = torch.autograd.grad((oq, ok), (q, k), (gq, gk))
-    eq_grad, ek_grad = torch.autograd.grad((eq, ek), (rq, rk), (gq.double(), gk.double()))
-    for g, e, x in ((dq, eq_grad, q), (dk, ek_grad, k)):
-        assert g.dtype == x.dtype and g.shape == x.shape
-        torch.testing.assert_close(g.double(), e, atol=atol, rtol=rtol)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, H, Hkv, T, D", [(2, 4, 2, 7, 16), (1, 3, 3, 11, 6), (2, 5, 1, 3, 128)])
 def test_rope_matches_reference_on_transposed_views(B, H, Hkv, T, D, dtype):
-    q, k = projection(B, T, H, D, dtype, seed=1), projection(B, T, Hkv, D, dtype, seed=2)
+    q, k = rope_projection(B, T, H, D, dtype, seed=1), rope_projection(B, T, Hkv, D, dtype, seed=2)
     assert not q.is_contiguous()
-    check(q, k, *tables(B, T, D), dtype)
+    check_rope(apply_rope, q, k, *rope_tables(B, T, D), TOL[dtype])
 
 
 def test_rope_contiguous_inputs():
     B, H, Hkv, T, D = 2, 4, 2, 5, 32
-    q, k = (projection(B, T, h, D, torch.float32, seed=s).detach().contiguous().requires_grad_(True)
+    q, k = (rope_projection(B, T, h, D, torch.float32, seed=s).detach().contiguous().requires_grad_(True)
             for h, s in ((H, 3), (Hkv, 4)))
-    check(q, k, *tables(B, T, D), torch.float32)
+    check_rope(apply_rope, q, k, *rope_tables(B, T, D), TOL[torch.float32])
 
 
 def test_rope_slices_of_fused_qkv_projection():
@@ -65,24 +34,24 @@ def test_rope_slices_of_fused_qkv_projection():
     qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=torch.Generator().manual_seed(10))
     q = qkv[:, :, :H].transpose(1, 2).requires_grad_(True)
     k = qkv[:, :, H:H + Hkv].transpose(1, 2).requires_grad_(True)
-    check(q, k, *tables(B, T, D), torch.float32)
+    check_rope(apply_rope, q, k, *rope_tables(B, T, D), TOL[torch.float32])
 
 
 def test_rope_broadcast_tables_over_batch():
     B, H, Hkv, T, D = 3, 2, 1, 4, 8
-    q, k = projection(B, T, H, D, torch.float32, seed=5), projection(B, T, Hkv, D, torch.float32, seed=6)
-    cos, sin = tables(1, T, D)
-    check(q, k, cos, sin, torch.float32)
+    q, k = rope_projection(B, T, H, D, torch.float32, seed=5), rope_projection(B, T, Hkv, D, torch.float32, seed=6)
+    cos, sin = rope_tables(1, T, D)
+    check_rope(apply_rope, q, k, cos, sin, TOL[torch.float32])
 
 
 def test_rope_arbitrary_tables():
     # Halves that differ (not the HF layout) catch swapped halves and a backward that only
     # negates sin instead of transposing the rotation.
     B, H, Hkv, T, D = 2, 3, 2, 4, 10
-    q, k = projection(B, T, H, D, torch.float32, seed=7), projection(B, T, Hkv, D, torch.float32, seed=8)
+    q, k = rope_projection(B, T, H, D, torch.float32, seed=7), rope_projection(B, T, Hkv, D, torch.float32, seed=8)
     gen = torch.Generator().manual_seed(9)
     cos, sin = torch.randn(B, T, D, generator=gen), torch.randn(B, T, D, generator=gen)
-    check(q, k, cos, sin, torch.float32)
+    check_rope(apply_rope, q, k, cos, sin, TOL[torch.float32])
 
 
 def test_rope_rejects_bad_shapes():

@@ -4,6 +4,7 @@ import torch
 
 from kernels import reference as ref
 from kernels.triton_swiglu import swiglu
+from tests.kernel_check import check, leaf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -13,33 +14,12 @@ TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-4, 1e-3)}
 DTYPES = list(TOL)
 
 
-def leaf(*shape, dtype, seed, scale=1.0):
-    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
-    return t.to(dtype).requires_grad_(True)
-
-
-def check(gate, up, dtype):
-    out = swiglu(gate, up)
-    rg, ru = (t.detach().double().requires_grad_(True) for t in (gate, up))
-    expected = ref.swiglu(rg, ru)
-    atol, rtol = TOL[dtype]
-    assert out.dtype == dtype and out.shape == gate.shape
-    assert out.abs().sum() > 0
-    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    grads = torch.autograd.grad(out, (gate, up), g)
-    ref_grads = torch.autograd.grad(expected, (rg, ru), g.double())
-    for a, e, x in zip(grads, ref_grads, (gate, up)):
-        assert a.dtype == x.dtype and a.shape == x.shape
-        assert a.abs().sum() > 0
-        torch.testing.assert_close(a.double(), e, atol=atol, rtol=rtol)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 7, 37), (1, 2500), (4, 64)])
 def test_swiglu_matches_reference(shape, dtype):
     # Gate scale 4 reaches the saturated tails of the sigmoid; 2500 elements span three programs.
-    check(leaf(*shape, dtype=dtype, seed=1, scale=4.0), leaf(*shape, dtype=dtype, seed=2), dtype)
+    gate, up = leaf(*shape, dtype=dtype, seed=1, scale=4.0), leaf(*shape, dtype=dtype, seed=2)
+    check(swiglu, ref.swiglu, (gate, up), TOL[dtype])
 
 
 def test_swiglu_slices_of_fused_gate_up_projection():
@@ -47,7 +27,7 @@ def test_swiglu_slices_of_fused_gate_up_projection():
     gate = gate_up[..., :45].requires_grad_(True)
     up = gate_up[..., 45:].requires_grad_(True)
     assert not gate.is_contiguous()
-    check(gate, up, torch.float32)
+    check(swiglu, ref.swiglu, (gate, up), TOL[torch.float32])
 
 
 def test_swiglu_saves_only_its_inputs():

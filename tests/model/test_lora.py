@@ -288,8 +288,7 @@ def test_fused_kernels_match_reference_on_biased_and_fused_layouts(arch):
     import kernels
     results = {}
     for backend in ("reference", "triton"):
-        kernels.use(backend)
-        try:
+        with kernels.using(backend):
             m = tiny_arch(arch)
             inject_lora(m, "all-linear", r=4, alpha=8, modules_to_save=["lm_head"])
             randomise_b(m, std=0.1)
@@ -297,8 +296,6 @@ def test_fused_kernels_match_reference_on_biased_and_fused_layouts(arch):
             logits = m(ids())
             logits.float().pow(2).mean().backward()
             results[backend] = (logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad})
-        finally:
-            kernels.use("auto")
     (ref_logits, ref_grads), (tri_logits, tri_grads) = results["reference"], results["triton"]
     torch.testing.assert_close(tri_logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert ref_grads.keys() == tri_grads.keys() and any("gate_up_proj" in n for n in ref_grads) is (arch == "glm4")

@@ -232,8 +232,7 @@ def test_rope_dispatch_never_sends_glm_rope_to_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "_triton_op", lambda name: (calls.append(name), lambda *a: "triton")[1])
     q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)
     pos = torch.arange(5)[None]
-    kernels.use("triton")
-    try:
+    with kernels.using("triton"):
         for rotary, interleaved in ((16, True), (8, True), (8, False)):
             cos, sin = kernels.rope_cos_sin(pos, rotary, 1e4, interleaved=interleaved)
             out = kernels.apply_rope(q, k, cos, sin, interleaved=interleaved)
@@ -242,8 +241,6 @@ def test_rope_dispatch_never_sends_glm_rope_to_the_triton_kernel(monkeypatch):
         assert calls == []
         cos, sin = kernels.rope_cos_sin(pos, 16, 1e4)
         assert kernels.apply_rope(q, k, cos, sin) == "triton" and calls == ["apply_rope"]
-    finally:
-        kernels.use("auto")
 
 
 @pytest.mark.parametrize("arch", ["glm", "glm4"])

@@ -216,7 +216,7 @@ def _glm_export(tmp: Path, arch: str = "glm4"):
     import transformers
 
     from artifacts import MANIFEST
-    from engine.stages import load_policy, save_adapter
+    from model.adapters import load_policy, save_adapter
     from export import export
     from model import inject_lora
     from model.hf import HF_ARCHITECTURES, load_hf, save_native
@@ -296,7 +296,7 @@ def test_vllm_serves_our_glm_export_and_its_lora(tmp_path: Path, arch: str, monk
     import transformers
     from peft import PeftModel
 
-    from engine.stages import apply_adapter
+    from model.adapters import apply_adapter
     from model.hf import HF_ARCHITECTURES, load_hf
 
     t0 = time.monotonic()

@@ -4,10 +4,13 @@ from pathlib import Path
 
 import pytest
 
-import tasks.cache as cache
+import artifacts
 from artifacts import build
 from configs import load_config
-from tasks.cache import STAGE_INPUTS, reusable, stage_key
+from tasks.cache import reusable, stage_key
+from tasks.table import STAGES
+
+STAGE_INPUTS = [s for s in STAGES if STAGES[s].cached]
 
 UP = [{"stage": "data", "path": "/x/data", "digest": "a" * 64}, {"stage": "tok", "path": "/x/tok", "digest": "b" * 64}]
 
@@ -69,18 +72,18 @@ def test_out_dir_changes_the_key():
 @pytest.fixture
 def fake_repo(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
-    for pkg in {p for pkgs in cache.STAGE_CODE.values() for p in pkgs}:
+    for pkg in {p for stage in STAGES.values() for p in stage.code}:
         (repo / pkg).mkdir(parents=True)
         (repo / pkg / "__init__.py").write_text(f"# {pkg}\n")
-    monkeypatch.setattr(cache, "REPO", repo)
-    cache.code_version.cache_clear()
+    monkeypatch.setattr(artifacts, "REPO", repo)
+    artifacts.code_version.cache_clear()
     yield repo
-    cache.code_version.cache_clear()
+    artifacts.code_version.cache_clear()
 
 
 def _edit(repo: Path, rel: str, text: str) -> None:
     (repo / rel).write_text(text)
-    cache.code_version.cache_clear()
+    artifacts.code_version.cache_clear()
 
 
 def test_code_version_changes_the_key_of_stages_using_that_code(fake_repo):
@@ -108,10 +111,9 @@ def test_code_version_ignores_non_python_and_other_folders(fake_repo):
 
 
 def test_stage_code_covers_the_real_packages():
-    for stage in STAGE_INPUTS:
-        assert stage in cache.STAGE_CODE
-        for pkg in cache.STAGE_CODE[stage]:
-            assert (cache.REPO / pkg / "__init__.py").is_file(), pkg
+    for stage in STAGES.values():
+        for pkg in stage.code:
+            assert (artifacts.REPO / pkg / "__init__.py").is_file(), pkg
 
 
 def test_user_data_file_size_and_mtime_change_the_key(tmp_path):
@@ -180,12 +182,11 @@ def test_not_reusable_without_cache_key(tmp_path):
 # ---------------------------------------------------------------- code each stage runs
 
 OUR_PACKAGES = ("artifacts", "configs", "data", "engine", "export", "kernels", "model", "serve", "tasks")
-STAGE_ENTRY = {"data": "data.prepare", "tokenizer": "data.prepare", "pretrain": "engine.stages",
-               "import_base": "engine.stages", "sft": "engine.stages", "dpo": "engine.stages", "export": "export"}
+STAGE_ENTRY = {name: stage.run.split(":")[0] for name, stage in STAGES.items() if stage.cached}
 
 
 def _module_file(name: str) -> Path | None:
-    base = cache.REPO.joinpath(*name.split("."))
+    base = artifacts.REPO.joinpath(*name.split("."))
     for f in (base.with_suffix(".py"), base / "__init__.py"):
         if f.is_file():
             return f
@@ -218,13 +219,13 @@ def _imported_packages(entry: str) -> set[str]:
 def test_stage_code_includes_every_package_the_stage_imports(stage):
     """Editing code a stage runs must change its key, else a stale artifact is reused."""
     # artifacts only publishes (content-neutral); configs' values enter the key as config sections.
-    missing = _imported_packages(STAGE_ENTRY[stage]) - set(cache.STAGE_CODE[stage]) - {"artifacts", "configs"}
-    assert not missing, f"{stage} runs code from {sorted(missing)} that is not in STAGE_CODE[{stage!r}]"
+    missing = _imported_packages(STAGE_ENTRY[stage]) - set(STAGES[stage].code) - {"artifacts", "configs"}
+    assert not missing, f"{stage} runs code from {sorted(missing)} that is not in STAGES[{stage!r}].code"
 
 
 def test_editing_adapter_merge_code_invalidates_export(fake_repo):
-    (fake_repo / "engine" / "stages.py").write_text("def load_policy(): ...\n")
-    cache.code_version.cache_clear()
+    (fake_repo / "model" / "adapters.py").write_text("def load_policy(): ...\n")
+    artifacts.code_version.cache_clear()
     k0 = key("export")
-    _edit(fake_repo, "engine/stages.py", "def load_policy(): return 'merged differently'\n")
+    _edit(fake_repo, "model/adapters.py", "def load_policy(): return 'merged differently'\n")
     assert key("export") != k0

@@ -1,0 +1,91 @@
+"""From a data artifact to what a training stage consumes, behind one object.
+
+`StageData(cfg, tokenizer_dir, data_dir, device)` knows the tokenizer, the prepared splits and the
+cleaning settings; `store(kind, tc)` reads → cleans → tokenises one split once (cached, memory-mapped,
+keyed by the bytes the data stage hashed), and `batches(kind, tc)` gives the resumable stream
+tokens → sample → pack → prefetch that the training loop pulls from.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from artifacts import sha256_json
+from configs.schema import Config, TrainConfig
+from data import formats
+from data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_pairs, clean_texts
+from data.formats import DataError
+from data.holdout import without
+from data.packing import PackedBatches, padded_batches
+from data.prefetch import Prefetcher
+from data.prepare import held_out_ids, split_source, unchanged_rows
+from data.sampler import EpochSampler
+from data.token_store import TokenStore
+from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
+from data.tokenizer import load_tokenizer
+
+log = logging.getLogger("glm_lora.data")
+READERS = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo}
+
+
+class StageData:
+    def __init__(self, cfg: Config, tokenizer_dir: Path, data_dir: Path, device: torch.device | str = "cpu"):
+        self.cfg, self.tokenizer_dir, self.data_dir = cfg, Path(tokenizer_dir), Path(data_dir)
+        self.device = torch.device(device)
+        self.tok = load_tokenizer(self.tokenizer_dir)
+
+    def store(self, kind: str, tc: TrainConfig, split: str | None = None) -> TokenStore:
+        """One split of a `kind` (pretrain / sft / dpo) as a token store: the training split, or `split`."""
+        dc, split = self.cfg.data, split or kind
+        path, sha = split_source(self.data_dir, split)
+        report = CleanReport(max_examples=dc.report_examples)
+        # Read lazily (only on a cache miss), checked against the hash the cache key is made of; rows the
+        # data stage held out of this file for evaluation are skipped.
+        held = held_out_ids(self.data_dir, split)
+        rows = without(unchanged_rows(READERS[kind](path, on_bad_row=dc.on_bad_row, report=report,
+                                                    max_line_bytes=dc.max_line_bytes), path, sha, split), held)
+        if kind == "pretrain":
+            examples = lm_examples(clean_texts(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
+                                   min_tokens=dc.min_tokens, report=report)
+        elif kind == "sft":
+            examples = sft_examples(clean_conversations(rows, dedup=dc.dedup, report=report), self.tok,
+                                    seq_len=tc.seq_len, overlong=dc.overlong, min_tokens=dc.min_tokens, report=report)
+        else:
+            examples = dpo_examples(clean_pairs(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
+                                    overlong=dc.overlong, report=report)
+        settings = {"seq_len": tc.seq_len, "min_tokens": dc.min_tokens, "overlong": dc.overlong, "dedup": dc.dedup,
+                    "on_bad_row": dc.on_bad_row, "max_line_bytes": dc.max_line_bytes, "held_out": sha256_json(held)}
+        store = tokenized(kind, sha, self.tokenizer_dir, examples,
+                          cache_root=self.cfg.runs_dir.resolve() / ".cache" / "tokens", settings=settings, report=report)
+        check_drop_fraction(store.meta.get("clean") or {}, split, dc.max_drop_fraction,
+                            seq_len=f"{kind}.seq_len ({tc.seq_len})")
+        if len(store) < store.meta["group_size"]:
+            raise DataError(f"data.{split}: no examples left after cleaning ({store.meta.get('clean')}); "
+                            f"check {kind}.seq_len ({tc.seq_len}) and data.min_tokens / data.overlong")
+        return store
+
+    def batches(self, kind: str, tc: TrainConfig) -> tuple[Callable[[dict | None], Prefetcher], dict]:
+        """`make_batches(data_state)`, the training split's batch stream positioned by a checkpoint's
+        data state, and a summary (examples, clean report)."""
+        store = self.store(kind, tc)
+        group = store.meta["group_size"]
+
+        def make_batches(data_state: dict | None) -> Prefetcher:
+            order = EpochSampler(len(store) // group, seed=tc.seed)    # one process: no rank sharding yet
+            if data_state and data_state.get("order"):
+                order.load_state_dict(data_state["order"])
+            if tc.packing:
+                batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+                if data_state and data_state.get("packer"):
+                    batches.load_state_dict(data_state["packer"])
+            else:
+                batches = padded_batches(store, order, batch_size=tc.batch_size, group_size=group)
+            return Prefetcher(batches, depth=tc.prefetch, device=self.device)
+
+        clean = store.meta.get("clean", {})
+        log.info("%s: %d examples, %d tokens (%s); clean: %s", kind, len(store) // group, int(store.lengths().sum()),
+                 "packed" if tc.packing else "padded", clean)
+        return make_batches, {"examples": len(store) // group, "clean": clean}

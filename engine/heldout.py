@@ -1,0 +1,99 @@
+"""The held-out splits during and after training: the validation loss a stage tracks every
+`eval_every` steps (early stopping) and the metrics it reports at the end (engine/evaluate.py),
+read from the data artifact like training data (`data.on_bad_row`, `data.max_line_bytes`), each
+result naming the rows it came from (`data`).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from configs.schema import Config, TrainConfig
+from data import formats
+from data.cleaning import CleanReport
+from data.packing import PackedBatches
+from data.pipeline import StageData
+from data.prepare import split_path, split_provenance
+from engine import evaluate
+from engine.trainer import Runtime, to_device
+from model import lora_disabled
+
+log = logging.getLogger("glm_lora.heldout")
+
+
+def validation_loss(data: StageData, kind: str, tc: TrainConfig, loss_fn, model, rt: Runtime,
+                    max_rows: int) -> Callable[[], float]:
+    """`validate()`: the stage's own loss over its held-out split (one packed pass), weighted by
+    target tokens (LM losses) or by pairs (DPO)."""
+    store = data.store(kind, tc, split=f"{kind}_eval")
+    group = store.meta["group_size"]
+    groups = min(len(store) // group, max_rows)
+
+    @torch.no_grad()
+    def validate() -> float:
+        model.eval()
+        total, weight = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
+        batches = PackedBatches(store, iter(range(groups)), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+        for batch in batches:
+            batch = to_device(batch, rt.device)
+            with rt.autocast():
+                loss, m = loss_fn(model, batch)
+            w = m["target_tokens"] if "target_tokens" in m else batch["group_docs"].shape[0]
+            total += loss.float() * w
+            weight += w
+        return float(total / weight.clamp(min=1))
+    return validate
+
+
+def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
+    """Held-out LM metrics on pretrain_eval, read like training data (data.on_bad_row, data.max_line_bytes):
+    with on_bad_row=skip a bad row is counted in `bad_rows_pretrain_eval` instead of failing the stage."""
+    dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
+    rows = formats.read_pretrain(split_path(data_dir, "pretrain_eval"), on_bad_row=dc.on_bad_row, report=report,
+                                 max_line_bytes=dc.max_line_bytes)
+    texts = list(itertools.islice(rows, cfg.eval.max_rows))
+    metrics = evaluate.lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
+    if report.dropped.get("bad_row"):
+        log.warning("pretrain_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
+                    report.examples.get("bad_row", []))
+    return {**metrics, "bad_rows_pretrain_eval": report.dropped.get("bad_row", 0),
+            "data": {"pretrain_eval": split_provenance(data_dir, "pretrain_eval", len(texts))}}
+
+
+def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
+    """Exact match on sft_eval; bad rows as in eval_lm (counted in `bad_rows_sft_eval`)."""
+    dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
+    rows = evaluate.read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows,
+                                   on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes)
+    if report.dropped.get("bad_row"):
+        log.warning("sft_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
+                    report.examples.get("bad_row", []))
+    metrics = evaluate.task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
+    answers = evaluate.answer_metrics(model, tok, rows, seq_len=cfg.sft.seq_len)
+    return {**metrics, **answers, "bad_rows_sft_eval": report.dropped.get("bad_row", 0),
+            "data": {"sft_eval": split_provenance(data_dir, "sft_eval", len(rows))}}
+
+
+def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
+    """DPO metrics on dpo_eval (+ exact match on sft_eval); bad rows as in eval_lm (`bad_rows_dpo_eval`)."""
+    dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
+    rows = formats.read_dpo(split_path(data_dir, "dpo_eval"), on_bad_row=dc.on_bad_row, report=report,
+                            max_line_bytes=dc.max_line_bytes)
+    pairs = list(itertools.islice(rows, cfg.eval.max_rows))
+    if report.dropped.get("bad_row"):
+        log.warning("dpo_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
+                    report.examples.get("bad_row", []))
+    prefs = evaluate.preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
+    tasks = eval_tasks(cfg, model, tok, data_dir)
+    rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+    with lora_disabled(model):      # the SFT model, for "DPO must lower the rejected-answer rate"
+        sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+    kept = ("exact_match", "min_family", "per_family", "chrf", "answer_loss", "answer_perplexity", "samples",
+            "bad_rows_sft_eval")
+    return {**prefs, **{k: tasks[k] for k in kept}, "rejected_match_rate": rejected,
+            "sft_rejected_match_rate": sft_rejected, "bad_rows_dpo_eval": report.dropped.get("bad_row", 0),
+            "data": {"dpo_eval": split_provenance(data_dir, "dpo_eval", len(pairs)), **tasks["data"]}}

@@ -1,0 +1,32 @@
+"""Pretraining from scratch: the decoder of `model.*` on the pretrain split, next-token loss."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from configs.schema import Config
+from data.pipeline import StageData
+from engine.fit import check_seq_len, decoder_config, fit, setup
+from engine.heldout import eval_lm
+from engine.losses import causal_lm_loss
+from model import Decoder
+from model.hf import save_native
+
+log = logging.getLogger("glm_lora.pretrain")
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
+    tc = cfg.pretrain
+    rt = setup(cfg, tc.seed)
+    data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
+    model = Decoder(decoder_config(cfg, len(data.tok)))
+    check_seq_len(tc.seq_len, model, "pretrain")
+    log.info("pretrain: %.2fM parameters", model.num_params() / 1e6)
+    init = eval_lm(cfg, model, data.tok, data.data_dir) if cfg.eval.enabled else None
+    metrics = fit("pretrain", cfg, tc, model, causal_lm_loss, data, list(inputs.values()), rt, out_dir)
+    if cfg.eval.enabled:
+        metrics["eval"] = {**eval_lm(cfg, model, data.tok, data.data_dir), "init_perplexity": init["perplexity"],
+                           "init_bits_per_byte": init["bits_per_byte"]}
+        log.info("pretrain eval: %s", metrics["eval"])
+    save_native(model.cpu(), out_dir)
+    return {**metrics, "params": model.num_params()}

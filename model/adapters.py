@@ -1,0 +1,45 @@
+"""Our adapter on disk, beside the LoRA code it saves: `adapter.safetensors` (the trainable tensors of
+lora_state_dict: LoRA A/B and any modules_to_save) + `adapter.json` (the LoRAConfig it was made with).
+Export turns these into PEFT's format (export/__init__.py); training stages and export load them here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from configs.schema import LoRAConfig
+from model.hf import load_native
+from model.lora import inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
+from model.model import Decoder
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter.safetensors", "adapter.json"
+
+
+def save_adapter(model: torch.nn.Module, lora: LoRAConfig, out_dir: Path) -> None:
+    save_file(lora_state_dict(model, lora.modules_to_save), Path(out_dir) / ADAPTER_WEIGHTS)
+    (Path(out_dir) / ADAPTER_CONFIG).write_text(json.dumps(lora.model_dump(), indent=2))
+
+
+def read_adapter(adapter_dir: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    lora = LoRAConfig.model_validate_json((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    return lora, load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
+
+
+def apply_adapter(model: Decoder, adapter_dir: Path, merge: bool = True) -> Decoder:
+    lora, state = read_adapter(adapter_dir)
+    inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save)
+    load_lora_state_dict(model, state, lora.modules_to_save)
+    return merge_lora(model) if merge else model
+
+
+def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
+    """Base weights with each adapter merged in order (e.g. pretrain → +SFT → +DPO)."""
+    model = load_native(base_dir)
+    for a in adapter_dirs:
+        apply_adapter(model, a, merge=True)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model

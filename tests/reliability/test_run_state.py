@@ -213,3 +213,32 @@ def test_checkpoint_scratch_of_dead_writers_is_removed(tmp_path):
     (tmp_path / "notes").mkdir()
     assert CheckpointManager(tmp_path).latest() is None
     assert [p.name for p in tmp_path.iterdir()] == ["notes"]
+
+
+ENGINE_WITHOUT_PREFECT = """
+import runpy, sys
+sys.argv = ["engine", *sys.argv[1:]]
+try:
+    runpy.run_module("engine", run_name="__main__")
+except SystemExit:
+    assert "prefect" not in sys.modules, "the stage imported Prefect"
+    raise
+"""
+
+
+def test_a_training_stage_runs_as_a_plain_process_without_prefect(run, tmp_path):
+    """`python -m engine sft` (what a multi-process launcher starts): inputs named explicitly, the
+    stage's files written into --out, metrics printed; Prefect is never imported."""
+    workdir, cfg = run
+    run_dir, out = workdir / "runs" / "case", tmp_path / "sft-out"
+    out.mkdir()
+    inputs = [a for name, stage in (("base", "pretrain"), ("tokenizer", "tokenizer"), ("data", "data"))
+              for a in ("--input", f"{name}={run_dir / stage}")]
+    proc = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_PREFECT, "sft", "--config", str(cfg), "--out", str(out),
+                           *inputs], cwd=workdir, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert metrics["trainable_params"] > 0 and len(metrics["val_losses"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.safetensors", "losses.json",
+                                                     "metrics.jsonl"]

@@ -1,4 +1,5 @@
 """Command line: `python -m flows.cli run` runs the whole flow in-process (Prefect, no deployment);
+`python -m flows.cli status` says, per stage, whether the next run reuses it and if not, why;
 `python -m flows.cli stage NAME` runs one stage's plain function without Prefect, reading its
 inputs from the run directory (the stage table, tasks/table.py, says which) — for debugging; it
 imports no Prefect.
@@ -47,7 +48,7 @@ def run_one_stage(stage: str, cfg, force: bool = True) -> artifacts.ArtifactRef:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="glm-lora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "stage"):
+    for name in ("run", "stage", "status"):
         p = sub.add_parser(name)
         if name == "stage":
             p.add_argument("name", choices=list(STAGES))
@@ -74,6 +75,11 @@ def _run(args) -> int:
 
     overrides = _overrides(args.set)
     cfg = load_config(args.config, overrides)
+    if args.cmd == "status":
+        from tasks.cache import status
+        for stage, why in status(cfg):
+            print(f"{stage:12s} {'cached' if not why else 'runs: ' + '; '.join(why)}")
+        return 0
     preflight(cfg)
     if args.cmd == "stage":
         with run_lock(cfg.run_dir):

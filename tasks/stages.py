@@ -88,7 +88,7 @@ def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = 
     """Build (or reuse) one stage's artifact, with its Prefect artifacts and logs."""
     cfg = Config.model_validate(cfg_dict)
     log = get_run_logger()
-    ref, reused = build_stage(name, cfg, inputs, force=force)
+    ref, reused = build_stage(name, cfg, inputs, force=force, log=log)
     if reused:
         log.info("%s: reusing %s (cache key in its manifest matches)", name, ref.path)
         return Completed(name="Cached", data=ref.to_dict(), message=f"reused {ref.path}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -17,35 +16,26 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed
 
-import artifacts
 from configs.errors import UserError
 from configs.schema import Config
+from tasks import report
 from tasks.cache import build_stage
+from tasks.report import artifact_key
 from tasks.table import STAGES
 
 logging.getLogger("glm_lora").setLevel(logging.INFO)
 
 
-def _artifact_key(cfg: Config, what: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]", "-", f"{cfg.run_name}-{what}".lower())
-
-
-def _metrics_markdown(stage: str, ref: artifacts.ArtifactRef, metrics: dict) -> str:
-    rows = "\n".join(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items())
-    return f"### {stage}\n\n`{ref.path}`  digest `{ref.digest[:16]}`\n\n| metric | value |\n|---|---|\n{rows}\n"
-
-
 def _compare_artifact(cfg: Config, out: Path, metrics: dict) -> None:
     from export import COMPARE
     if (out / COMPARE).is_file():
-        create_markdown_artifact(key=_artifact_key(cfg, "compare"), markdown=(out / COMPARE).read_text(),
+        create_markdown_artifact(key=artifact_key(cfg.run_name, "compare"), markdown=(out / COMPARE).read_text(),
                                  description="fixed prompts side by side")
 
 
 def _answer_artifact(cfg: Config, out: Path, r: dict) -> None:
     create_markdown_artifact(
-        key=_artifact_key(cfg, "answer"),
+        key=artifact_key(cfg.run_name, "answer"),
         markdown=f"### Served answer\n\n**endpoint** `{r['endpoint']}`\n\n**prompt** {r['prompt']}\n\n"
                  f"**vLLM** {r['answer']}\n\n**in-process** {r['inprocess_answer']}\n\n"
                  f"### Promotion gate\n\n{r['gate']}\n",
@@ -93,8 +83,7 @@ def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = 
         log.info("%s: reusing %s (cache key in its manifest matches)", name, ref.path)
         return Completed(name="Cached", data=ref.to_dict(), message=f"reused {ref.path}")
     metrics = ref.manifest()["metrics"]
-    create_markdown_artifact(key=_artifact_key(cfg, name), markdown=_metrics_markdown(name, ref, metrics),
-                             description=f"{name} metrics")
+    report.publish(cfg.run_name, cfg.run_dir, name, Path(ref.path), metrics)
     if name in EXTRA_ARTIFACTS:
         EXTRA_ARTIFACTS[name](cfg, Path(ref.path), metrics)
     log.info("%s: built %s %s", name, ref.path, {k: metrics[k] for k in list(metrics)[:8]})

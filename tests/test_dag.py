@@ -100,6 +100,20 @@ def test_each_stage_reports_held_out_metrics_and_pretraining_learns(dag):
     assert all(name in header for name in ("pretrain", "sft", "dpo")) and "What is 12 + 7?" in compare
 
 
+def test_each_stage_shows_tables_and_loss_curves_in_the_ui(dag):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    with get_client(sync_client=True) as client:
+        found = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="tiny-")))}
+    for stage in ("pretrain", "sft", "dpo"):
+        assert {f"tiny-{stage}-metrics", f"tiny-{stage}-eval", f"tiny-{stage}-loss-curve"} <= found.keys(), stage
+    assert {"tiny-sft-families", "tiny-sft-samples", "tiny-sft-cleaning", "tiny-compare", "tiny-answer"} <= found.keys()
+    assert found["tiny-sft-metrics"].type == "table" and found["tiny-sft-loss-curve"].type == "markdown"
+    assert "data:image/png;base64," in found["tiny-sft-loss-curve"].data
+    assert (dag["run_dir"] / "reports" / "sft-loss.png").is_file()
+
+
 def _ids(run_dir: Path) -> torch.Tensor:
     from data.tokenizer import load_tokenizer
     tok = load_tokenizer(run_dir / "tokenizer")

@@ -1,0 +1,111 @@
+"""What a stage shows in the Prefect UI, made from its published manifest: tables people read (one row
+per metric with its unit, the held-out metrics per family and where their rows came from, sample
+answers, the data-cleaning counts by reason) and, for training stages, the loss curves drawn with
+matplotlib (saved with the run in runs/<run>/reports/ and embedded in a markdown artifact).
+Keyed artifacts, so the UI keeps their history across runs.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+METRICS_FILE = "metrics.jsonl"     # engine/fit.py: one JSON line per logging window
+UNITS = (("tokens_per_s", "tokens/s"), ("_s", "s"), ("loss", "nats/token"), ("perplexity", ""),
+         ("bits_per_byte", "bits/byte"), ("accuracy", "fraction"), ("exact_match", "fraction"), ("chrf", "0–1"),
+         ("rate", "fraction"), ("efficiency", "fraction"), ("params", "parameters"), ("tokens", "tokens"),
+         ("lr", ""), ("step", "steps"))
+
+
+def artifact_key(run_name: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]", "-", f"{run_name}-{what}".lower())
+
+
+def unit(name: str) -> str:
+    return next((u for suffix, u in UNITS if name.endswith(suffix) or suffix in name), "")
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def metric_rows(metrics: dict) -> list[dict]:
+    return [{"metric": k, "value": _fmt(v), "unit": unit(k)} for k, v in metrics.items() if _scalar(v)]
+
+
+def eval_rows(ev: dict) -> list[dict]:
+    sources = "; ".join(f"{s}: {d['source']} ({d['rows']} rows)" for s, d in ev.get("data", {}).items())
+    return [{"metric": k, "value": _fmt(v), "unit": unit(k), "held-out data": sources}
+            for k, v in ev.items() if _scalar(v)]
+
+
+def family_rows(ev: dict) -> list[dict]:
+    chrf, n = ev.get("chrf_per_family", {}), ev.get("n_per_family", {})
+    return [{"family": f, "exact_match": _fmt(v), "chrf": _fmt(chrf.get(f, "")), "rows": n.get(f, "")}
+            for f, v in ev.get("per_family", {}).items()]
+
+
+def cleaning_rows(clean: dict) -> list[dict]:
+    rows = [{"reason": r, "rows": c, "example": (clean.get("examples", {}).get(r) or [""])[0]}
+            for r, c in clean.get("dropped", {}).items()]
+    return rows + [{"reason": k, "rows": clean[k], "example": ""} for k in ("truncated", "prompt_truncated", "kept")
+                   if clean.get(k)]
+
+
+def loss_curve(stage: str, stage_dir: Path, metrics: dict, out_png: Path) -> Path | None:
+    """Training and validation loss by step, the best step marked; None if the stage logged no steps."""
+    log = Path(stage_dir) / METRICS_FILE
+    points = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    points = [p for p in points if "loss" in p and "step" in p]
+    if not points:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8), dpi=100)
+    ax.plot([p["step"] for p in points], [p["loss"] for p in points], label="training (per logging window)")
+    val = metrics.get("val_losses") or []
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], "o-", label="validation (held-out split)")
+        if metrics.get("best_step") is not None:
+            ax.axvline(metrics["best_step"], color="gray", linestyle="--",
+                       label=f"best step {metrics['best_step']} (kept)")
+    ax.set(xlabel="optimizer step", ylabel="loss (nats/token)", title=f"{stage}: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: dict) -> None:
+    """Every artifact of one built stage."""
+    key = lambda what: artifact_key(run_name, f"{stage}-{what}")   # noqa: E731
+    create_table_artifact(metric_rows(metrics), key=key("metrics"), description=f"{stage}: metrics of {stage_dir}")
+    ev = metrics.get("eval") or {}
+    if ev:
+        create_table_artifact(eval_rows(ev), key=key("eval"), description=f"{stage}: held-out metrics")
+        if ev.get("per_family"):
+            create_table_artifact(family_rows(ev), key=key("families"), description=f"{stage}: per task family")
+        if ev.get("samples"):
+            create_table_artifact([{k: s.get(k, "") for k in ("task", "prompt", "reference", "answer", "correct")}
+                                   for s in ev["samples"]], key=key("samples"), description=f"{stage}: sample answers")
+    if metrics.get("clean"):
+        create_table_artifact(cleaning_rows(metrics["clean"]), key=key("cleaning"),
+                              description=f"{stage}: rows dropped or cut, by reason")
+    png = loss_curve(stage, stage_dir, metrics, Path(run_dir) / "reports" / f"{stage}-loss.png")
+    if png is not None:
+        data = base64.b64encode(png.read_bytes()).decode()
+        create_markdown_artifact(f"### {stage}: loss\n\n![{stage} loss](data:image/png;base64,{data})\n\n`{png}`\n",
+                                 key=key("loss-curve"), description=f"{stage}: training and validation loss")

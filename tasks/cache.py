@@ -7,10 +7,11 @@ Prefect, the CLI and tests all go through `build_stage`, and a deleted or edited
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import artifacts
 import kernels
@@ -97,11 +98,14 @@ def reusable(out_dir: Path, key: str) -> bool:
 
 
 def build_stage(name: str, cfg, inputs: dict[str, dict], *, force: bool = False,
-                log: logging.Logger = logging.getLogger("glm_lora.stages")) -> tuple[artifacts.ArtifactRef, bool]:
+                log: logging.Logger = logging.getLogger("glm_lora.stages"),
+                guard: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[artifacts.ArtifactRef, bool]:
     """The one cache mechanism: reuse `name`'s published artifact if it was built for this key, else run
     the stage's function and publish atomically (the key in its manifest). Returns (ref, reused).
 
-    `inputs`: input name → the upstream stage's ArtifactRef dict. The flow, the CLI and tests call this.
+    `inputs`: input name → the upstream stage's ArtifactRef dict; `guard()` is held while the stage runs
+    (not while it is reused): the flow passes a Prefect concurrency slot for training stages.
+    The flow, the CLI and tests call this.
     """
     cfg_dict = cfg.model_dump(mode="json")
     out = cfg.stage_dir(name)
@@ -114,7 +118,7 @@ def build_stage(name: str, cfg, inputs: dict[str, dict], *, force: bool = False,
                                                     explain(name, cfg_dict, inputs, out)))
     fn = STAGES[name].function()
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
-    with kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
+    with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),
                               config={"cache_key": key, "key_parts": parts, "run": cfg_dict},
                               inputs=[artifacts.ArtifactRef.from_dict(r) for r in inputs.values()])

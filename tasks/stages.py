@@ -6,6 +6,7 @@ config as a dict plus upstream ArtifactRef dicts and return a small ArtifactRef 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Callable
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.sync import concurrency
 from prefect.states import Completed, Failed
 
 from configs.errors import UserError
@@ -24,6 +26,10 @@ from tasks.report import artifact_key
 from tasks.table import STAGES
 
 logging.getLogger("glm_lora").setLevel(logging.INFO)
+# A global concurrency limit (scripts/run.sh creates it with 1 slot): a manual run and the nightly, or two
+# runs of different names, never train at once on one machine. Without the limit on the server: no wait.
+TRAIN_SLOT = "glm-lora-train"
+TRAINING = ("pretrain", "sft", "dpo")
 
 
 def _compare_artifact(cfg: Config, out: Path, metrics: dict) -> None:
@@ -78,7 +84,8 @@ def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = 
     """Build (or reuse) one stage's artifact, with its Prefect artifacts and logs."""
     cfg = Config.model_validate(cfg_dict)
     log = get_run_logger()
-    ref, reused = build_stage(name, cfg, inputs, force=force, log=log)
+    slot = (lambda: concurrency(TRAIN_SLOT, occupy=1)) if name in TRAINING else contextlib.nullcontext
+    ref, reused = build_stage(name, cfg, inputs, force=force, log=log, guard=slot)
     if reused:
         log.info("%s: reusing %s (cache key in its manifest matches)", name, ref.path)
         return Completed(name="Cached", data=ref.to_dict(), message=f"reused {ref.path}")

@@ -162,6 +162,22 @@ def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag):
     assert result["export"]["digest"] != first["digest"]
 
 
+def test_training_stages_that_run_take_the_global_training_slot(dag, monkeypatch):
+    """Only stages that actually train hold the `glm-lora-train` concurrency slot (not reused ones)."""
+    import contextlib
+    import tasks.stages as stages
+    taken = []
+
+    @contextlib.contextmanager
+    def slot(name, occupy=1):
+        taken.append(name)
+        yield
+    monkeypatch.setattr(stages, "concurrency", slot)
+    _, states = _run({**dag["overrides"], "serve.enabled": False, "sft.lr": 1.5e-3})
+    assert states["pretrain"] == "Cached" and states["sft"] == "Completed" and states["dpo"] == "Completed"
+    assert taken == ["glm-lora-train", "glm-lora-train"]
+
+
 def test_base_model_path_starts_at_sft(dag, tmp_path):
     """A local HF Llama directory replaces tokenizer training + pretraining."""
     import shutil

@@ -96,14 +96,17 @@ def decoder_config(size: str, vocab: int, seq_len: int) -> DecoderConfig:
                          tie_embeddings=False, **SIZES[size])
 
 
-def hf_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False):
-    """transformers' LlamaForCausalLM with our shapes, random init, SDPA attention, fp32 weights."""
+def hf_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False, attn: str = "sdpa",
+             use_cache: bool = True):
+    """transformers' LlamaForCausalLM with our shapes, random init, fp32 weights; `attn` is its
+    attn_implementation (SDPA by default). `use_cache=False` as trainers set it: no KV cache in training."""
     from transformers import LlamaConfig, LlamaForCausalLM
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attn_implementation="sdpa")
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attn_implementation=attn,
+        use_cache=use_cache)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(hf_cfg).float().train()
@@ -125,10 +128,11 @@ def our_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = Fa
     return model
 
 
-def hf_peft(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False):
+def hf_peft(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False, base=None):
+    """PEFT LoRA r64 α128 on the 7 projections of `base` (default: hf_model(cfg, device, checkpointing))."""
     from peft import LoraConfig, get_peft_model
     lora = LoraConfig(r=64, lora_alpha=128, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
-    return get_peft_model(hf_model(cfg, device, checkpointing), lora)
+    return get_peft_model(base if base is not None else hf_model(cfg, device, checkpointing), lora)
 
 
 def autocast(device: torch.device):
@@ -185,6 +189,82 @@ def timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict:
     return {"real_tokens_per_s": real / dt, "token_efficiency": real / slots, "step_ms": 1000 * dt / len(measured),
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
             "steps": len(measured), "warmup_s": warmup_s}
+
+
+WARMUP_RULE = ("warm-up: synchronised steps until the last 3 step times lie within 5% of their median "
+               "(at least 2 and at most 8 warm-up steps, or 25 s after the first; padded anchors: at most 4 or 10 s); then the measured steps, each timed between "
+               "CUDA events at the step boundaries with no host sync in between")
+
+
+def _stable(times: list[float], window: int, tol: float) -> bool:
+    if len(times) < window:
+        return False
+    last = sorted(times[-window:])
+    med = last[window // 2]
+    return all(abs(t - med) <= tol * med for t in last)
+
+
+def timed_steps(step, batches: list[dict], device: torch.device, steps: int, *, min_warmup: int = 2,
+                max_warmup: int = 8, max_warmup_s: float = 25.0, window: int = 3, tol: float = 0.05,
+                max_measure_s: float | None = None, min_steps: int = 4) -> dict:
+    """Warm up by the rule in WARMUP_RULE, then time up to `steps` steps one by one.
+
+    `batches` must hold max_warmup + steps pre-built host batches; warm-up takes them from the front,
+    the measured steps from what follows. `max_measure_s` stops measuring early (after `min_steps`)
+    for slow providers. Returns p20/p50/p80 step times, real tokens/s (all measured real tokens over
+    the measured time) and peak memory (warm-up included).
+    """
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    warm: list[float] = []
+    t_start = time.perf_counter()
+    i = 0
+    while i < max_warmup and i < len(batches) - min(min_steps, steps):
+        t0 = time.perf_counter()
+        step(to_device(batches[i], device))
+        sync()
+        warm.append(time.perf_counter() - t0)
+        if i == 0:
+            t_start = time.perf_counter()       # the time cap counts after the first (compiling) step
+        i += 1
+        if i >= min_warmup and (_stable(warm, window, tol) or time.perf_counter() - t_start > max_warmup_s):
+            break
+    stable = _stable(warm, window, tol)
+    measured = batches[i:i + steps]
+    ends, real, slots = [], [], []
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        ends.append(ev)
+    else:
+        ends.append(time.perf_counter())
+    t0 = time.perf_counter()
+    for n, b in enumerate(measured):
+        step(to_device(b, device))
+        real.append(int(b["num_tokens"]))
+        slots.append(int(b["capacity"]))
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ends.append(ev)
+        else:
+            ends.append(time.perf_counter())
+        if max_measure_s is not None and n + 1 >= min_steps and time.perf_counter() - t0 > max_measure_s:
+            break
+    sync()
+    if cuda:
+        dts = [a.elapsed_time(b) / 1000 for a, b in zip(ends, ends[1:])]
+    else:
+        dts = [b - a for a, b in zip(ends, ends[1:])]
+    ms = np.array(dts) * 1000
+    total = float(sum(dts))
+    return {"real_tokens_per_s": sum(real) / total, "token_efficiency": sum(real) / sum(slots),
+            "step_ms_p20": float(np.percentile(ms, 20)), "step_ms_p50": float(np.percentile(ms, 50)),
+            "step_ms_p80": float(np.percentile(ms, 80)), "step_ms_mean": float(ms.mean()),
+            "real_tokens_per_step": sum(real) / len(real), "slots_per_step": sum(slots) / len(slots),
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "steps": len(dts), "warmup_steps": len(warm), "warmup_stable": stable,
+            "warmup_step_ms": [round(1000 * t, 1) for t in warm], "step_ms": [round(float(t), 1) for t in ms]}
 
 
 def guarded(fn, device: torch.device, oom: bool = False) -> dict:

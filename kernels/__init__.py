@@ -18,9 +18,9 @@ or partial rotary runs the reference; the Triton kernel rotates whole heads in h
 on GPU: GLM layouts pay eager RoPE there).
 
 Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
-"flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" picks flex on
-CUDA (1B LoRA SFT at 8 × 2048: 1.25× the tokens/s of the dense mask, less memory) and sdpa on CPU
-(FlexAttention has no CPU backward).
+"flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" on CUDA picks
+per model, by `flex_pays` (the rule and its measurements are there), once the first attention call of
+a forward shows the attention's width (heads × head_dim); sdpa on CPU (FlexAttention has no CPU backward).
 
 Both are chosen for a block, `with kernels.using(backend, attention): ...` (the previous choice comes
 back after it; tasks.cache.build_stage wraps every stage in the config's choice); outside one: auto, auto.
@@ -113,15 +113,59 @@ def linear_token_logprobs(hidden, weight, labels, ignore_index=-100):
 rope_cos_sin = reference.rope_cos_sin
 
 
+FLEX_MIN_WIDTH = 2048    # query heads × head_dim
+
+
+def flex_pays(num_heads: int, head_dim: int) -> bool:
+    """Attention "auto" on CUDA: FlexAttention block mask (True) or SDPA + dense document mask (False),
+    by the attention's width (query heads × head_dim), from bench/RESULTS.md "Attention: FlexAttention
+    vs the dense mask" (H200, bf16, packed 8 × 2048 rows, 2026-12-01, bench/peer_gpu.py):
+
+      width 2048 (1B, 16 × 128): flex 1.23× the dense mask's tokens/s in LoRA SFT, 1.18× in DPO
+      width  768 (125M, 12 × 64): flex 0.99× (p50; a tie) in SFT, 0.69× in DPO
+
+    Attention alone, flex takes 0.45–0.72× the dense kernel's GPU time at all four of 12×64, 6×128,
+    32×64 and 16×128, so neither head_dim nor the attention kernel decides. The 125M step is far from
+    GPU-bound (84 TFLOP/s of model FLOPs against 362 at 1B; its step times jitter ±15%), and there flex's
+    extra work (the compiled call per layer, a 2–4 ms block-mask build per forward against 0.2 ms for the
+    dense mask) is not hidden (inferred: the 125M step was not profiled).
+    Widths between 768 and 2048 were not measured: they keep the dense mask, never measured slower
+    than a tie; rows of 2048 tokens only (longer rows were not measured either).
+    """
+    return num_heads * head_dim >= FLEX_MIN_WIDTH
+
+
+class AutoDocumentMask:
+    """Attention "auto" on CUDA: the packed rows' document mask, built on first use in the form
+    `flex_pays` picks for that attention's shape (q: B, H, T, D), then shared by every layer of the forward."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids, self.mask = doc_ids, None
+
+    def resolve(self, q: torch.Tensor):
+        if self.mask is None:
+            if flex_pays(q.shape[1], q.shape[-1]):
+                from kernels import flex
+                self.mask = flex.document_block_mask(self.doc_ids)
+            else:
+                self.mask = reference.document_causal_mask(self.doc_ids)
+        return self.mask
+
+
 def document_causal_mask(doc_ids: torch.Tensor):
-    """A mask object for `attention`: a dense bool mask, or a FlexAttention BlockMask ("flex" on CUDA)."""
-    if _ATTENTION in ("flex", "auto") and doc_ids.is_cuda:
+    """A mask object for `attention`: a dense bool mask ("sdpa", or anything on CPU), a FlexAttention
+    BlockMask ("flex" on CUDA), or an AutoDocumentMask ("auto" on CUDA) that becomes one of the two."""
+    if not doc_ids.is_cuda or _ATTENTION == "sdpa":
+        return reference.document_causal_mask(doc_ids)
+    if _ATTENTION == "flex":
         from kernels import flex
         return flex.document_block_mask(doc_ids)
-    return reference.document_causal_mask(doc_ids)
+    return AutoDocumentMask(doc_ids)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    if isinstance(mask, AutoDocumentMask):
+        mask = mask.resolve(q)
     if mask is not None and not isinstance(mask, torch.Tensor):
         from kernels import flex
         return flex.attention(q, k, v, mask)

@@ -1,0 +1,45 @@
+"""Attention "auto": the FlexAttention-vs-dense-mask rule (kernels.flex_pays) and how it is applied."""
+import torch
+
+import kernels
+from kernels import reference
+from model import DecoderConfig
+
+
+def test_rule_follows_the_measured_widths():
+    # bench/RESULTS.md "Attention: FlexAttention vs the dense mask": 125M (12 × 64) the dense mask won or tied,
+    # 1B (16 × 128) flex won; attention alone, flex won at head_dim 64 too, so the rule is the width
+    small = DecoderConfig(vocab_size=32000, hidden_size=768, num_heads=12, num_kv_heads=12)
+    large = DecoderConfig(vocab_size=32000, hidden_size=2048, num_heads=16, num_kv_heads=8)
+    assert not kernels.flex_pays(small.num_heads, small.head_dim)
+    assert kernels.flex_pays(large.num_heads, large.head_dim)
+    assert kernels.flex_pays(32, 64) and kernels.flex_pays(32, 128)       # wide models, either head size
+    assert not kernels.flex_pays(6, 128) and not kernels.flex_pays(12, 128)  # narrow ones (1536 wide): unmeasured, dense
+
+
+def _doc_ids():
+    return torch.tensor([[1, 1, 1, 2, 2, 0], [3, 3, 4, 4, 4, 4]])
+
+
+def test_auto_mask_is_built_once_in_the_form_the_rule_picks(monkeypatch):
+    from kernels import flex
+    built = []
+    monkeypatch.setattr(flex, "document_block_mask", lambda d: built.append(d) or "block-mask")
+    narrow = kernels.AutoDocumentMask(_doc_ids())
+    q = torch.zeros(2, 12, 6, 64)                                        # (B, H, T, D): 768 wide
+    dense = narrow.resolve(q)
+    assert isinstance(dense, torch.Tensor) and torch.equal(dense, reference.document_causal_mask(_doc_ids()))
+    assert narrow.resolve(q) is dense and not built                      # shared by every layer, no block mask
+    wide = kernels.AutoDocumentMask(_doc_ids())
+    assert wide.resolve(torch.zeros(2, 16, 6, 128)) == "block-mask"
+    assert wide.resolve(torch.zeros(2, 16, 6, 128)) == "block-mask" and len(built) == 1
+
+
+def test_cpu_keeps_the_dense_mask_and_auto_attention_matches_reference():
+    doc_ids = _doc_ids()
+    with kernels.using("auto", "auto"):
+        assert isinstance(kernels.document_causal_mask(doc_ids), torch.Tensor)     # FlexAttention: no CPU backward
+    q, k, v = (torch.randn(2, 2, 6, 64, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    out = kernels.attention(q, k, v, kernels.AutoDocumentMask(doc_ids))
+    ref = reference.attention(q, k, v, reference.document_causal_mask(doc_ids))
+    assert torch.allclose(out, ref)

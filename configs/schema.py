@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, PositiveFloat
 
@@ -155,12 +155,16 @@ class TrainConfig(Section):
     """One training stage's loop settings (the engine is shared by all stages).
 
     A micro-batch is `batch_size` rows of `seq_len` tokens; with packing each row holds as many
-    whole documents as fit, so the token budget per micro-batch is batch_size × seq_len.
+    whole documents as fit, so the token budget per micro-batch is batch_size × seq_len. One optimizer
+    step takes batch_size × grad_accum × world size rows (world size: `dist`, one process by default).
     """
 
     max_steps: int = Field(100, ge=1)
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1)    # rows per micro-batch, per process
     grad_accum: int = Field(1, ge=1)
+    # Rows per optimizer step over all processes; when set, grad_accum is derived from it:
+    # global_batch_size / (batch_size × world size), which must divide (grad_accum is then left at 1).
+    global_batch_size: int | None = Field(None, ge=1)
     seq_len: int = Field(128, ge=8)
     lr: float = Field(1e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -228,27 +232,93 @@ class GateConfig(Section):
 
 
 class ServeConfig(Section):
+    """The served endpoint (serve/deploy.py): nginx on host:port in front of the live vLLM server; a new
+    export is started beside it on a free loopback port, tested, then switched to (README "Serving")."""
+
     enabled: bool = True
-    host: Literal["127.0.0.1"] = "127.0.0.1"
+    # Where the stable endpoint listens (the vLLM servers behind it always listen on 127.0.0.1 only).
+    # An address other than loopback needs an API key.
+    host: str = "127.0.0.1"
     port: int = Field(8765, ge=1024, le=65535)
-    keep_running: bool = True
+    keep_running: bool = True            # false: start, test and stop the candidate; the endpoint is untouched
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: int = Field(512, ge=16)
-    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)
+    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)     # vLLM's KV cache on the CPU build
     startup_timeout_s: int = Field(300, ge=10)
-    prompt: str = "What is 12 + 7?"
+    prompt: str = "What is 12 + 7?"      # the smoke test's question: greedy parity with our own decoder
     max_tokens: int = Field(32, ge=1)
+    # Serve the SFT model and the DPO adapter under their own names beside the final model, on one server
+    # (<run>, <run>-sft, <run>-dpo); false: only the merged final model (no LoRA work per token).
+    adapters: bool = True
+    drain_timeout_s: int = Field(120, ge=1)   # a switch waits this long for the old server's requests
+    keep_exports: int = Field(3, ge=1)        # earlier served exports kept in serving/exports/ for rollback
+    # CUDA build of vLLM only (refused on the CPU build): GPUs per server; its share of each GPU's memory
+    # (unset: 0.45, so the candidate fits beside the live server during a promotion).
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    max_num_seqs: int | None = Field(None, ge=1)   # concurrent sequences per server (unset: vLLM's default)
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 512] | None = None   # unset: the smallest that fits
     gate: GateConfig = GateConfig()
     # The endpoint's API key, by name only (its value never enters configs, manifests or logs): an
     # environment variable, or a Prefect Secret block. Unset: no key (README "Security").
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     api_key_secret: str | None = None
 
+    @field_validator("host")
+    @classmethod
+    def _ip_address(cls, host: str) -> str:
+        import ipaddress
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            raise ValueError(f"{host[:100]!r} is not an IP address (e.g. 127.0.0.1, or 0.0.0.0 for every interface)") from None
+
     @model_validator(mode="after")
     def _one_key_source(self):
+        import ipaddress
         if self.api_key_env and self.api_key_secret:
             raise ValueError("set one of serve.api_key_env and serve.api_key_secret, not both")
+        if not ipaddress.ip_address(self.host).is_loopback and not (self.api_key_env or self.api_key_secret):
+            raise ValueError(f"serve.host {self.host} is reachable from other machines: set serve.api_key_env or "
+                             "serve.api_key_secret too")
         return self
+
+
+class DistConfig(Section):
+    """Processes per training stage, started by torchrun (engine/dist.py, README "More than one GPU").
+
+    World size = nproc_per_node × nnodes; with one process (the default) a stage runs in-process as always.
+    """
+
+    nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = 1   # auto: the visible CUDA GPUs (1 on CPU)
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)                # this machine's place among the nnodes
+    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^\S+:\d{1,5}$")   # host:port of node 0 (multi-node)
+    strategy: Literal["auto", "ddp", "fsdp2"] = "auto"   # auto: fsdp2 for pretraining, ddp for the LoRA stages
+    launcher: Literal["auto", "torchrun"] = "auto"   # auto: torchrun when world size > 1; torchrun: always
+
+    @model_validator(mode="after")
+    def _node_rank_in_range(self):
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"dist.node_rank ({self.node_rank}) must be below dist.nnodes ({self.nnodes})")
+        return self
+
+
+def derived_grad_accum(tc: TrainConfig, key: str, world_size: int) -> int:
+    """Micro-batches per optimizer step for the section `key` (e.g. "sft") on `world_size` processes:
+    grad_accum, or global_batch_size / (batch_size × world_size) when global_batch_size is set.
+    Raises ValueError naming the keys when the numbers don't divide or grad_accum is set too."""
+    if tc.global_batch_size is None:
+        return tc.grad_accum
+    if tc.grad_accum != 1:
+        raise ValueError(f"{key}.grad_accum ({tc.grad_accum}) is derived from {key}.global_batch_size "
+                         f"({tc.global_batch_size}); set one of them, not both")
+    per_step = tc.batch_size * world_size
+    if tc.global_batch_size % per_step:
+        raise ValueError(f"{key}.global_batch_size ({tc.global_batch_size}) is not a multiple of {key}.batch_size "
+                         f"({tc.batch_size}) × world size ({world_size} = dist.nproc_per_node × dist.nnodes); "
+                         f"change {key}.global_batch_size or {key}.batch_size")
+    return tc.global_batch_size // per_step
 
 
 class Config(Section):
@@ -269,6 +339,19 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     serve: ServeConfig = ServeConfig()
+    dist: DistConfig = DistConfig()
+
+    @model_validator(mode="after")
+    def _batch_math(self):
+        """global_batch_size must divide into micro-batches; with nproc_per_node "auto" the world size is only
+        known where the stage runs (engine.dist.check, from preflight and from each process)."""
+        d = self.dist
+        world = d.nproc_per_node * d.nnodes if isinstance(d.nproc_per_node, int) else 1
+        stages = (("sft", self.sft), ("dpo", self.dpo)) if self.base_model else (
+            ("pretrain", self.pretrain), ("sft", self.sft), ("dpo", self.dpo))
+        for key, tc in stages:
+            derived_grad_accum(tc, key, world)
+        return self
 
     @model_validator(mode="after")
     def _servable(self):

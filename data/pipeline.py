@@ -67,19 +67,29 @@ class StageData:
                             f"check {kind}.seq_len ({tc.seq_len}) and data.min_tokens / data.overlong")
         return store
 
-    def batches(self, kind: str, tc: TrainConfig) -> tuple[Callable[[dict | None], Prefetcher], dict]:
+    def batches(self, kind: str, tc: TrainConfig, rank: int = 0,
+                world_size: int = 1) -> tuple[Callable[[dict | None], Prefetcher], dict]:
         """`make_batches(data_state)`, the training split's batch stream positioned by a checkpoint's
-        data state, and a summary (examples, clean report)."""
+        data state, and a summary (examples, clean report). With several processes each `rank` of
+        `world_size` gets its own share of every epoch (data/sampler.py): no row is in two ranks' batches.
+
+        A data state saved by the same rank of the same world size continues exactly; one saved on another
+        world size continues the same epoch at the same share of it (see `_continue_elsewhere`).
+        """
         store = self.store(kind, tc)
         group = store.meta["group_size"]
 
         def make_batches(data_state: dict | None) -> Prefetcher:
-            order = EpochSampler(len(store) // group, seed=tc.seed)    # one process: no rank sharding yet
-            if data_state and data_state.get("order"):
-                order.load_state_dict(data_state["order"])
+            order = EpochSampler(len(store) // group, seed=tc.seed, rank=rank, world_size=world_size)
+            saved = (data_state or {}).get("order")
+            exact = bool(saved) and (saved.get("world_size", 1), saved.get("rank", 0)) == (world_size, rank)
+            if exact:
+                order.load_state_dict(saved)
+            elif saved:
+                _continue_elsewhere(order, saved, len((data_state.get("packer") or {}).get("buffer", [])))
             if tc.packing:
                 batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
-                if data_state and data_state.get("packer"):
+                if exact and data_state.get("packer"):
                     batches.load_state_dict(data_state["packer"])
             else:
                 batches = padded_batches(store, order, batch_size=tc.batch_size, group_size=group)
@@ -89,3 +99,21 @@ class StageData:
         log.info("%s: %d examples, %d tokens (%s); clean: %s", kind, len(store) // group, int(store.lengths().sum()),
                  "packed" if tc.packing else "padded", clean)
         return make_batches, {"examples": len(store) // group, "clean": clean}
+
+
+def _continue_elsewhere(order: EpochSampler, saved: dict, buffered: int) -> None:
+    """Position `order` from a sampler state of another world size (a checkpoint of N processes resumed on
+    M): the same epoch, at the same share of its permutation. The saved rank had handed out `position`
+    indices of its 1/N share, `buffered` of them still waiting in its packer's look-ahead (not trained on):
+    about (position - buffered) × N of the epoch are done, so each of the M ranks skips that many / M of its
+    share. Not exact: look-ahead rows of the other saved ranks may repeat or be skipped once (a few hundred
+    examples at most); the next epochs are the same as in any run."""
+    done = max(int(saved["position"]) - buffered, 0) * int(saved.get("world_size", 1))
+    state = order.state_dict()     # this rank's order; n and seed must be the saved ones (else: other data)
+    state.update(n=saved.get("n"), seed=saved.get("seed"), epoch=int(saved["epoch"]),
+                 position=min(done // order.world_size, order.num_samples))
+    order.load_state_dict(state)
+    log.warning("data: resuming on %d process(es) from a data position saved on %d: epoch %d continues at about "
+                "%d of %d examples (exact only on the same number of processes)", order.world_size,
+                saved.get("world_size", 1), state["epoch"], done, order.n)
+

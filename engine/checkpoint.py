@@ -30,6 +30,27 @@ the next save() first waits for it. An error in the thread is raised by the next
 
 Loading never unpickles: weights through safetensors, optimizer state through
 `torch.load(weights_only=True)`, everything else is JSON.
+
+Several processes (torchrun, engine/dist.py): rank 0 decides, verifies and publishes; every rank
+contributes its own RNG states and data position (`ranks.json`: one {rng, data_state} per rank,
+beside rank 0's in rng.json / trainer_state.json). DDP (replicated weights): rank 0 writes the
+layout above. FSDP2 (sharded weights): `torch.distributed.checkpoint` (DCP) writes each rank's
+shards of the trainable weights and optimizer state, then rank 0 the rest:
+
+    dcp/.metadata, dcp/__<rank>_0.distcp   DCP's files: {"model": trainable weights, "optim": optimizer
+                                           state}, keyed by parameter name (any world size can load them)
+    rng.json, ranks.json, trainer_state.json
+    manifest.json                          written last by rank 0, once every rank's shards are on disk:
+                                           sha256 + size of every file above (dcp/ included), world_size
+
+in the same temp dir + rename (the temp dir is named by rank 0's pid, which every rank is told).
+With checkpoint.async_save DCP's async_save copies the shards to host memory and writes them in a
+thread over a gloo group of its own; rank 0's writer thread then hashes, writes the manifest and
+renames. Resume on another number of ranks M (1 included, without a process group): DCP reshards on
+load into whatever the model is now (sharded, replicated or plain); a DDP / one-process checkpoint
+loads into a sharded model as whole tensors. The RNG states and data position of the same rank come
+back when M equals the saved world size (an exact resume); otherwise rank 0's RNG states and the
+data position continue approximately (data/pipeline.py, `_continue_elsewhere`).
 """
 from __future__ import annotations
 
@@ -61,8 +82,10 @@ from configs.schema import CheckpointConfig, Config, TrainConfig
 
 MODEL, OPTIMIZER, RNG, TRAINER_STATE, MANIFEST = (
     "model.safetensors", "optimizer.pt.zst", "rng.json", "trainer_state.json", "manifest.json")
+RANKS, DCP_DIR = "ranks.json", "dcp"       # several processes: per-rank states; FSDP2's sharded files
 BEST = "best"
 FORMAT = "glm-lora-checkpoint/1"
+FORMAT_SHARDED = "glm-lora-checkpoint-dcp/1"
 ZSTD_LEVEL = 3          # the issue's choice; fp32 moments barely compress at any level, so stay fast
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SCRATCH_DIR = re.compile(r"^\.(?:tmp|old)-(?:step-\d{8,}|best)-(\d+)$")     # our temp / replaced dirs, by pid
@@ -97,6 +120,12 @@ class Checkpoint:
     rng: dict                             # as captured by capture_rng()
     trainer_state: dict                   # exactly what the loop passed to save()
     manifest: dict = field(default_factory=dict)   # sizes, hashes, optimizer raw/compressed bytes
+    ranks: list | None = None             # several processes: {rng, data_state} of every rank
+    dcp: Path | None = None               # a sharded (DCP) checkpoint: its files; weights/optimizer then empty
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None or (self.dcp is not None and bool(self.manifest.get("optimizer")))
 
 
 # ---------------------------------------------------------------- random generators
@@ -252,22 +281,26 @@ class CheckpointManager:
     """
 
     def __init__(self, root: Path, *, keep_last: int = 2, async_save: bool = True,
-                 log: logging.Logger = logging.getLogger("glm_lora.checkpoint")):
+                 log: logging.Logger = logging.getLogger("glm_lora.checkpoint"), dist=None):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_last, self.async_save, self.log = keep_last, async_save, log
+        self.dist = dist                         # engine.dist.Dist for sharded saves (save_sharded)
         self.stats: list[dict] = []
         self._thread: threading.Thread | None = None
         self._error: tuple[int, BaseException] | None = None
         self._writing: Path | None = None        # temp dir of the write in flight
         self._closed = False
+        self._future = None                      # a sharded async save in flight on a rank other than 0
+        self._pid0: int | None = None            # rank 0's pid: names a sharded save's temp dir on every rank
+        self._group = None                       # gloo group of sharded async saves (apart from training's)
 
     # ---- saving
 
     def save(self, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict | None,
-             trainer_state: dict, rng: dict) -> float:
+             trainer_state: dict, rng: dict, ranks: list | None = None) -> float:
         """Snapshot to host memory now, write in the background; return the seconds the caller waited.
 
         After this returns the caller may change every tensor it passed. The stall includes waiting
@@ -281,24 +314,121 @@ class CheckpointManager:
         waited = time.perf_counter() - t0
         state_json = json.dumps(trainer_state, indent=1)   # also a snapshot: later changes don't leak in
         rng_json = json.dumps(rng)
+        ranks_json = json.dumps(ranks) if ranks is not None else None
         w, o = _snapshot(weights, optimizer)
         stat = {"step": step, "wait_prev_s": waited, "copy_s": time.perf_counter() - t0 - waited}
         self.stats.append(stat)
         if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=(step, w, o, rng_json, state_json, stat),
-                                            name=f"checkpoint-step-{step}")
+            self._thread = threading.Thread(target=self._run, args=(step, w, o, rng_json, state_json, stat,
+                                                                    ranks_json), name=f"checkpoint-step-{step}")
             stat["stall_s"] = time.perf_counter() - t0     # set before the thread can log it
             self._thread.start()
         else:
-            self._write(step, w, o, rng_json, state_json, stat)
+            self._write(step, w, o, rng_json, state_json, stat, ranks_json)
             stat["stall_s"] = time.perf_counter() - t0
         return stat["stall_s"]
+
+    def save_sharded(self, step: int, state: dict, *, trainer_state: dict, rng: dict, ranks: list,
+                     with_optimizer: bool) -> float:
+        """Every rank calls this at once with its shards, `state` = {"model": ..., ["optim": ...]} as
+        torch.distributed.checkpoint.state_dict gives them (see the module docstring); the seconds this
+        rank waited. Rank 0's trainer_state / rng / ranks are written; the other ranks' are ignored."""
+        import torch.distributed as tdist
+        import torch.distributed.checkpoint as dcp
+
+        if self._closed:
+            raise CheckpointError("CheckpointManager is closed")
+        d = self.dist
+        t0 = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - t0
+        if self._pid0 is None:
+            self._pid0 = d.broadcast(os.getpid())
+        tmp = self.root / f".tmp-{_step_dir_name(step)}-{self._pid0}"
+        jsons = (json.dumps(rng), json.dumps(ranks), json.dumps(trainer_state, indent=1))
+        if d.main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            self._writing = tmp
+        d.barrier()                  # the temp dir exists (and holds nothing stale) before anyone writes
+        stat = {"step": step, "wait_prev_s": waited}
+        self.stats.append(stat)
+        try:
+            if self.async_save:
+                if self._group is None:
+                    self._group = tdist.new_group(backend="gloo")
+                future = dcp.async_save(state, checkpoint_id=str(tmp / DCP_DIR), process_group=self._group)
+                stat["stall_s"] = time.perf_counter() - t0      # the copy to host memory
+                if d.main:
+                    self._thread = threading.Thread(target=self._run_sharded, args=(future, step, tmp, jsons,
+                                                    with_optimizer, stat), name=f"checkpoint-step-{step}")
+                    self._thread.start()
+                else:
+                    self._future = (step, future)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp / DCP_DIR))   # returns once every rank's shards are written
+                if d.main:
+                    self._finish_sharded(step, tmp, jsons, with_optimizer, stat)
+                stat["stall_s"] = time.perf_counter() - t0
+        except BaseException:
+            if d.main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._writing = None
+            raise
+        return stat["stall_s"]
+
+    def _run_sharded(self, future, step: int, tmp: Path, jsons: tuple, with_optimizer: bool, stat: dict) -> None:
+        try:
+            future.result()              # rank 0's future: done when every rank's shards are on disk
+            self._finish_sharded(step, tmp, jsons, with_optimizer, stat)
+        except BaseException as e:       # handed to the caller by the next save/wait/close
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._writing = None
+            self._error = (step, e)
+
+    def _finish_sharded(self, step: int, tmp: Path, jsons: tuple, with_optimizer: bool, stat: dict) -> None:
+        """Rank 0, after every rank's DCP files are written: the JSON files, the manifest (last), rename."""
+        t0 = time.perf_counter()
+        rng_json, ranks_json, state_json = jsons
+        try:
+            _write_file(tmp / RNG, rng_json.encode())
+            _write_file(tmp / RANKS, ranks_json.encode())
+            _write_file(tmp / TRAINER_STATE, state_json.encode())
+            files = {str(p.relative_to(tmp)): {"sha256": sha256_file(p), "size": p.stat().st_size}
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}
+            manifest = {"format": FORMAT_SHARDED, "step": step, "files": files, "world_size": self.dist.world_size,
+                        "optimizer": {"sharded": True} if with_optimizer else None,
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            manifest["manifest_sha256"] = _manifest_checksum(manifest)
+            manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            _write_file(tmp / MANIFEST, manifest_bytes)
+            fsync(tmp / DCP_DIR)
+            fsync(tmp)
+            self._publish(tmp, self.root / _step_dir_name(step))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            self._writing = None
+        stat.update(write_s=time.perf_counter() - t0, bytes=sum(f["size"] for f in files.values()) + len(manifest_bytes))
+        self.log.info("checkpoint %s (sharded over %d ranks): finish %.3fs, %.2f MB%s", _step_dir_name(step),
+                      self.dist.world_size, stat["write_s"], stat["bytes"] / 1e6,
+                      "" if with_optimizer else ", model only")
+        self._prune()
 
     def wait(self) -> None:
         """Block until the write in flight is on disk; raise if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._future is not None:
+            step, future = self._future
+            self._future = None
+            try:
+                future.result()
+            except BaseException as e:
+                self._error = (step, e)
         if self._error is not None:
             step, err = self._error
             self._error = None
@@ -323,7 +453,7 @@ class CheckpointManager:
             self._error = (args[0], e)
 
     def _write(self, step: int, weights: dict, optimizer: dict | None, rng_json: str, state_json: str,
-               stat: dict) -> None:
+               stat: dict, ranks_json: str | None = None) -> None:
         t0 = time.perf_counter()
         tmp = self.root / f".tmp-{_step_dir_name(step)}-{os.getpid()}"
         self._writing = tmp
@@ -344,6 +474,8 @@ class CheckpointManager:
                              "ratio": len(raw) / max(len(packed), 1), "zstd_level": ZSTD_LEVEL}
                 del raw, buf, packed
             _write_file(tmp / RNG, rng_json.encode())
+            if ranks_json is not None:
+                _write_file(tmp / RANKS, ranks_json.encode())
             _write_file(tmp / TRAINER_STATE, state_json.encode())
             files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
                      for p in sorted(tmp.iterdir())}
@@ -492,7 +624,7 @@ class CheckpointManager:
                 self.log.warning("skipping checkpoint %s: %s", path, e)
                 failures.append(str(e))
                 continue
-            if ckpt.optimizer is not None:
+            if ckpt.has_optimizer:
                 if fallback is not None:
                     self.log.info("newest verified checkpoint %s is model-only; using %s, the newest with "
                                   "optimizer state (exact resume)", fallback.path.name, path.name)
@@ -519,7 +651,11 @@ class CheckpointManager:
                 self.log.info("removing leftover %s (an interrupted save)", p.name)
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _load(self, step: int, path: Path) -> Checkpoint:
+    def load(self, step: int, path: Path) -> Checkpoint:
+        """A checkpoint another rank has verified (rank 0's `latest()`): read, not hashed again."""
+        return self._load(step, Path(path), verify=False)
+
+    def _load(self, step: int, path: Path, verify: bool = True) -> Checkpoint:
         def bad(name: str, why: str) -> CorruptCheckpoint:
             return CorruptCheckpoint(f"{path / name}: {why}")
 
@@ -534,7 +670,10 @@ class CheckpointManager:
         if manifest.get("step") != step:
             raise bad(MANIFEST, f"says step {manifest.get('step')}, the directory name says {step}")
         files = manifest.get("files", {})
-        for name in (MODEL, RNG, TRAINER_STATE) + ((OPTIMIZER,) if manifest.get("optimizer") else ()):
+        sharded = manifest.get("format") == FORMAT_SHARDED
+        required = ((RNG, TRAINER_STATE, RANKS, f"{DCP_DIR}/.metadata") if sharded else
+                    (MODEL, RNG, TRAINER_STATE) + ((OPTIMIZER,) if manifest.get("optimizer") else ()))
+        for name in required:
             if name not in files:
                 raise bad(name, "not listed in the manifest")
 
@@ -544,11 +683,33 @@ class CheckpointManager:
                 data = (path / name).read_bytes()
             except OSError as e:
                 raise bad(name, f"unreadable ({e})") from None
-            if len(data) != entry["size"]:
+            if verify and len(data) != entry["size"]:
                 raise bad(name, f"size {len(data)} != {entry['size']} in the manifest (truncated?)")
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise bad(name, "sha256 does not match the manifest (corrupted)")
             return data
+
+        if sharded:     # DCP's files are hashed as streams (they can be large) and loaded later, into the model
+            for name, entry in files.items():
+                if name.startswith(f"{DCP_DIR}/") and verify:
+                    try:
+                        size, digest = (path / name).stat().st_size, sha256_file(path / name)
+                    except OSError as e:
+                        raise bad(name, f"unreadable ({e})") from None
+                    if size != entry["size"]:
+                        raise bad(name, f"size {size} != {entry['size']} in the manifest (truncated?)")
+                    if digest != entry["sha256"]:
+                        raise bad(name, "sha256 does not match the manifest (corrupted)")
+            blobs = {name: read(name) for name in (RNG, TRAINER_STATE, RANKS)}
+            parsed = {}
+            for name, blob in blobs.items():
+                try:
+                    parsed[name] = json.loads(blob)
+                except ValueError as e:
+                    raise bad(name, f"not loadable ({e})") from None
+            return Checkpoint(step=step, path=path, weights={}, optimizer=None, rng=parsed[RNG],
+                              trainer_state=parsed[TRAINER_STATE], manifest=manifest, ranks=parsed[RANKS],
+                              dcp=path / DCP_DIR)
 
         # Hash everything before parsing anything: a model-only fallback must verify as a whole.
         blobs = {name: read(name) for name in files}
@@ -571,8 +732,12 @@ class CheckpointManager:
             trainer_state = json.loads(blobs[TRAINER_STATE])
         except ValueError as e:
             raise bad(TRAINER_STATE, f"not loadable ({e})") from None
+        try:
+            ranks = json.loads(blobs[RANKS]) if RANKS in blobs else None
+        except ValueError as e:
+            raise bad(RANKS, f"not loadable ({e})") from None
         return Checkpoint(step=step, path=path, weights=weights, optimizer=optimizer, rng=rng,
-                          trainer_state=trainer_state, manifest=manifest)
+                          trainer_state=trainer_state, manifest=manifest, ranks=ranks)
 
 
 # ---------------------------------------------------------------- the loop's state
@@ -631,6 +796,45 @@ def _copy_into(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None
             params[n].copy_(t)
 
 
+def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    """What DCP saves and loads: the trainable weights and (optionally) the optimizer state, keyed by
+    parameter name — this rank's shards for a sharded model, whole tensors for a plain one."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    if opt is not None:
+        state["optim"] = get_optimizer_state_dict(model, opt)
+    return state
+
+
+def _load_dcp(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path: Path) -> None:
+    """Load a sharded checkpoint into `model` (and `opt`) as they are now: DCP reshards to this world size;
+    without a process group it reads as one process (the no-dist path)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    state = _sharded_state(model, opt)
+    dcp.load(state, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))   # frozen: not saved
+    if opt is not None:
+        set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _dcp_weight_names(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def _optimizer_by_name(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> dict:
+    """A torch optimizer state_dict (parameters numbered in `opt`'s order: build_optimizer makes the same
+    order on every run) keyed by parameter name instead, as torch.distributed.checkpoint.state_dict wants."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    return {"state": {order[int(i)]: v for i, v in saved["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
 class Checkpointer:
     """What the training loop asks of checkpoints: resume, scheduled saves, the best weights.
 
@@ -638,21 +842,29 @@ class Checkpointer:
     finds nothing and the best weights are kept in memory only. `run_config` is saved in every
     checkpoint and must match, key by key, for a resume (else IncompatibleResumeError names the keys).
     `name` (the stage) names it in messages. Close it (or use `with`) to wait for the last write.
+
+    Under torchrun (`dist`, engine/dist.py) every rank calls every method at the same step; rank 0
+    decides and writes, `sharded` (FSDP2) models are saved through DCP by all ranks (module docstring).
     """
 
     log = logging.getLogger("glm_lora.engine")      # its messages are the stage's, beside the loop's
 
     def __init__(self, root: Path | None = None, cfg: CheckpointConfig | None = None, *,
-                 run_config: dict | None = None, name: str = "train"):
+                 run_config: dict | None = None, name: str = "train", dist=None, sharded: bool = False):
         self.cfg, self.run_config, self.name = cfg or CheckpointConfig(), run_config or {}, name
-        self.store = (CheckpointManager(root, keep_last=self.cfg.keep_last, async_save=self.cfg.async_save)
+        self.dist, self.sharded = dist, sharded
+        self.store = (CheckpointManager(root, keep_last=self.cfg.keep_last, async_save=self.cfg.async_save, dist=dist)
                       if root is not None else None)
         self.root = self.store.root if self.store else None
-        self._best: dict[str, torch.Tensor] | None = None      # of TrainState.best_step, on CPU
+        self._best: dict[str, torch.Tensor] | None = None      # of TrainState.best_step, on CPU (rank 0's if sharded)
+
+    @property
+    def main(self) -> bool:
+        return self.dist is None or self.dist.main
 
     @classmethod
     def for_stage(cls, cfg: Config, stage: str, tc: TrainConfig, inputs: list[Path],
-                  model: torch.nn.Module) -> "Checkpointer":
+                  model: torch.nn.Module, *, dist=None, sharded: bool = False) -> "Checkpointer":
         """The one place that says whose checkpoints these are.
 
         A resume must match `run_config` (refused naming the key): the model's shape (`model.config`)
@@ -660,26 +872,59 @@ class Checkpointer:
         batch_size and packing. The directory is named by a hash of everything that shapes the run: the
         stage's section except max_steps/log_every (a changed max_steps resumes), the model section,
         device, precision, kernels, attention and the inputs; any other change starts a fresh directory.
+        The number of processes (`dist`) is not part of it: a checkpoint of N ranks resumes on M.
         """
         digests = [read_manifest(p)["digest"] for p in inputs]
         lora = getattr(tc, "lora", None)
         run_config = {"model": model.config.to_dict() if lora is None else None,
                       "lora": lora.model_dump(mode="json") if lora is not None else None,
                       "inputs": digests, "seq_len": tc.seq_len, "batch_size": tc.batch_size, "packing": tc.packing}
-        key = sha256_json({"stage": stage, "section": tc.model_dump(mode="json", exclude={"max_steps", "log_every"}),
+        # global_batch_size came later: while unset it stays out of the hash, so earlier directories are found.
+        unhashed = {"max_steps", "log_every"} | ({"global_batch_size"} if tc.global_batch_size is None else set())
+        key = sha256_json({"stage": stage, "section": tc.model_dump(mode="json", exclude=unhashed),
                            "model": cfg.model.model_dump(mode="json"), "device": cfg.device,
                            "precision": cfg.precision, "kernels": cfg.kernels, "attention": cfg.attention,
                            "inputs": digests})
         return cls(cfg.run_dir / "checkpoints" / f"{stage}-{key[:12]}", cfg.checkpoint, run_config=run_config,
-                   name=stage)
+                   name=stage, dist=dist, sharded=sharded)
 
     # ---- resume
 
     def restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> TrainState | None:
         """Load the newest verified checkpoint into `model` (trainable weights) and `opt`, restore every
-        RNG and the best weights so far; None if there is none or checkpoint.resume is never."""
+        RNG and the best weights so far; None if there is none or checkpoint.resume is never.
+        Several ranks: rank 0 picks and verifies it, every rank loads it (and raises what rank 0 raised)."""
         if self.store is None or self.cfg.resume != "auto":
             return None
+        d = self.dist
+        if d is None:
+            c = self._newest(model)
+        else:
+            picked = d.on_main(lambda: self._newest(model), share=lambda c: c and (c.step, str(c.path)))
+            c = picked if d.main or picked is None else self.store.load(*picked)
+        if c is None:
+            return None
+        self._load_weights(model, opt, c)
+        saved_world, world = len(c.ranks) if c.ranks else 1, d.world_size if d else 1
+        mine = c.ranks[d.rank] if d is not None and c.ranks and saved_world == world else None
+        restore_rng(mine["rng"] if mine else c.rng)
+        self.log.info("%s: resumed from step %d (%s)", self.name, c.step, c.path)
+        state = TrainState.from_dict(c.trainer_state)
+        if mine is not None:
+            state.data_state = mine["data_state"]
+        elif saved_world != world:
+            self.log.warning("%s: checkpoint %s was made by %d processes, resuming on %d: the data position "
+                             "continues approximately and every rank starts from rank 0's random generators",
+                             self.name, c.path, saved_world, world)
+        if state.best_step is not None:     # raises CheckpointUnusable if they fail verification
+            if self.sharded:                # kept (and broadcast when needed) by rank 0 only
+                self._best = d.on_main(lambda: self.store.load_best(state.best_step), share=lambda b: None)
+            else:
+                self._best = self.store.load_best(state.best_step)
+        return state
+
+    def _newest(self, model: torch.nn.Module) -> Checkpoint | None:
+        """The newest verified checkpoint if a resume may use it (None if there is none)."""
         c = self.store.latest()
         if c is None:
             if self.store.best_step() is not None:
@@ -691,22 +936,30 @@ class Checkpointer:
             raise IncompatibleResumeError(
                 f"{self.name}: the checkpoint in {c.path} was made with a different {', '.join(diff)}; "
                 f"refusing to resume. Delete {c.path.parent} (or use checkpoint.resume: never) to start over.")
-        missing = sorted(set(c.weights) ^ set(_trainable(model)))
+        saved = set(c.weights) if c.dcp is None else _dcp_weight_names(c.dcp)
+        missing = sorted(saved ^ set(_trainable(model)))
         if missing:
             raise IncompatibleResumeError(
                 f"{self.name}: checkpoint {c.path} weights differ from the model's: {missing[:5]}")
-        _copy_into(model, c.weights)
-        if c.optimizer is not None:
-            opt.load_state_dict(c.optimizer)
+        return c
+
+    def _load_weights(self, model: torch.nn.Module, opt: torch.optim.Optimizer, c: Checkpoint) -> None:
+        if c.dcp is not None:                # sharded files: into a sharded, replicated or plain model alike
+            _load_dcp(model, opt if c.has_optimizer else None, c.dcp)
+        elif self.sharded:                   # whole tensors (DDP / one process) into a sharded model
+            from engine.dist import load_full_state
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            load_full_state(model, c.weights, from_rank0=False)
+            if c.optimizer is not None:
+                set_optimizer_state_dict(model, opt, _optimizer_by_name(model, opt, c.optimizer),
+                                         options=StateDictOptions(full_state_dict=True))
         else:
+            _copy_into(model, c.weights)
+            if c.optimizer is not None:
+                opt.load_state_dict(c.optimizer)
+        if not c.has_optimizer:
             self.log.warning("%s: checkpoint %s has no optimizer state; the optimizer restarts (resume is not exact)",
                              self.name, c.path)
-        restore_rng(c.rng)
-        self.log.info("%s: resumed from step %d (%s)", self.name, c.step, c.path)
-        state = TrainState.from_dict(c.trainer_state)
-        if state.best_step is not None:     # raises CheckpointUnusable if they fail verification
-            self._best = self.store.load_best(state.best_step)
-        return state
 
     # ---- saving
 
@@ -727,9 +980,23 @@ class Checkpointer:
         trainer_state = {**vars(state), "config": self.run_config, "config_hash": sha256_json(self.run_config),
                          "code_version": CODE_VERSION, "max_steps": max_steps,
                          "epoch": ((state.data_state or {}).get("order") or {}).get("epoch")}
-        stall = self.store.save(state.step, weights=_trainable(model),
-                                optimizer=opt.state_dict() if with_optimizer else None, rng=capture_rng(),
-                                trainer_state=trainer_state)
+        d = self.dist
+        if d is None:
+            stall = self.store.save(state.step, weights=_trainable(model),
+                                    optimizer=opt.state_dict() if with_optimizer else None, rng=capture_rng(),
+                                    trainer_state=trainer_state)
+        else:           # each rank's generators and data position, for an exact resume on as many ranks
+            ranks = d.all_gather({"rng": capture_rng(), "data_state": state.data_state})
+            if self.sharded:
+                stall = self.store.save_sharded(state.step, _sharded_state(model, opt if with_optimizer else None),
+                                                trainer_state=trainer_state, rng=ranks[0]["rng"], ranks=ranks,
+                                                with_optimizer=with_optimizer)
+            elif d.main:    # DDP: the weights and optimizer state are the same on every rank
+                stall = self.store.save(state.step, weights=_trainable(model),
+                                        optimizer=opt.state_dict() if with_optimizer else None, rng=ranks[0]["rng"],
+                                        trainer_state=trainer_state, ranks=ranks)
+            else:
+                stall = 0.0
         self.log.info("%s: checkpoint at step %d (stall %.3f s%s)", self.name, state.step, stall,
                       ", with optimizer" if with_optimizer else "")
         return stall
@@ -737,20 +1004,31 @@ class Checkpointer:
     # ---- the best weights by validation loss
 
     def save_best(self, state: TrainState, model: torch.nn.Module) -> None:
-        """Keep the model's trainable weights as those of state.best_step (in memory, and in root/best/)."""
-        self._best = {n: t.to("cpu", copy=True) for n, t in _trainable(model).items()}
-        if self.store is not None:
+        """Keep the model's trainable weights as those of state.best_step (in memory, and in root/best/).
+        Sharded: gathered whole into rank 0's memory (collective); the others keep none."""
+        if self.sharded:
+            from engine.dist import full_state
+            weights = full_state(model, trainable_only=True)
+            self._best = weights if self.main else None
+        else:
+            self._best = {n: t.to("cpu", copy=True) for n, t in _trainable(model).items()}
+        if self.store is not None and self.main:
             self.store.save_best(self._best, step=state.best_step, val_loss=state.best_val_loss)
 
     def restore_best(self, model: torch.nn.Module, state: TrainState) -> None:
         """Leave the best weights in the model, not the last step's (when those differ)."""
         if state.best_step is None or state.best_step == state.step:
             return
-        if self._best is None:
+        have = self._best is not None if not self.sharded else self.dist.broadcast(self._best is not None)
+        if not have:
             self.log.warning("%s: best weights of step %s are not available; keeping the last step's", self.name,
                              state.best_step)
             return
-        _copy_into(model, self._best)
+        if self.sharded:
+            from engine.dist import load_full_state
+            load_full_state(model, self._best if self.main else {}, from_rank0=True)
+        else:
+            _copy_into(model, self._best)
         self.log.info("%s: carrying forward the weights of step %d (validation loss %.4f), not step %d's", self.name,
                       state.best_step, state.best_val_loss, state.step)
 

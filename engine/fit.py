@@ -1,15 +1,24 @@
 """What every training stage shares: runtime setup, the model config from the user's config, and
-`fit()` — data stream + validation + checkpoints around the one loop (engine/trainer.py)."""
+`fit()` — data stream + validation + checkpoints around the one loop (engine/trainer.py).
+
+Under torchrun (engine/dist.py) `setup` puts each rank on its device, `fit` shards the data and wraps
+the model for the stage's strategy (the model the stage passed in is then trained in place: whole on
+every rank with DDP, sharded with FSDP2), and `consolidated` gives rank 0 the plain trained model back
+for held-out evaluation and the stage's files.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from configs.errors import UserError
 from configs.schema import Config, TrainConfig
 from data.pipeline import StageData
+from engine import dist
 from engine.checkpoint import Checkpointer
 from engine.heldout import validation_loss
 from engine.trainer import Runtime, train
@@ -19,10 +28,12 @@ METRICS, LOSSES = "metrics.jsonl", "losses.json"   # per-window metrics; the los
 
 
 def setup(cfg: Config, seed: int) -> Runtime:
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)       # every rank alike: the same initial weights everywhere
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    return Runtime.resolve(cfg.device, cfg.precision)
+    rt = Runtime.resolve(cfg.device, cfg.precision)
+    d = dist.current()
+    return rt if d is None else Runtime(d.device, rt.dtype, d)
 
 
 def decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
@@ -40,13 +51,43 @@ def check_seq_len(seq_len: int, model, key: str) -> None:
 
 def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageData, inputs: list[Path], rt: Runtime,
         out_dir: Path) -> dict:
-    """Train `model` on the stage's split with checkpoints, validation and early stopping; return its metrics."""
-    make_batches, summary_data = data.batches(stage, tc)
+    """Train `model` on the stage's split with checkpoints, validation and early stopping; return its metrics.
+    Several processes: every rank trains its share; rank 0 writes the metrics files."""
+    d = rt.dist
+    strategy = dist.strategy_for(cfg, stage) if d else None
+    section = tc        # as configured: names the checkpoint directory, which must not depend on the world size
+    if tc.global_batch_size is not None:
+        tc = tc.model_copy(update={"grad_accum": dist.grad_accum(cfg, stage, d.world_size if d else 1)})
+    extra = {}
+    if d:
+        with d.main_first():        # rank 0 tokenises into the shared cache, the others then open it
+            data.store(stage, tc)
+            if tc.eval_every:
+                data.store(stage, tc, split=f"{stage}_eval")
+        make_batches, summary_data = data.batches(stage, tc, rank=d.rank, world_size=d.world_size)
+        ckpt = Checkpointer.for_stage(cfg, stage, section, inputs, model, dist=d, sharded=strategy == "fsdp2")
+        train_loss = dist.parallelize(model, loss_fn, strategy, rt)
+        torch.manual_seed(tc.seed + 1_000_003 * (d.rank + 1))    # each rank its own dropout masks from here
+        extra = {"world_size": d.world_size, "strategy": strategy, "grad_accum": tc.grad_accum,
+                 "global_batch_size": tc.batch_size * tc.grad_accum * d.world_size}
+    else:
+        make_batches, summary_data = data.batches(stage, tc)
+        ckpt = Checkpointer.for_stage(cfg, stage, section, inputs, model)
+        train_loss = loss_fn
     model.gradient_checkpointing = tc.activation_checkpointing
-    ckpt = Checkpointer.for_stage(cfg, stage, tc, inputs, model)
     validate = validation_loss(data, stage, tc, loss_fn, model, rt, cfg.eval.max_rows) if tc.eval_every else None
-    with open(Path(out_dir) / METRICS, "a", encoding="utf-8") as metrics:       # a JSON line per logging window
-        summary = train(model, loss_fn, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
-                        on_log=lambda s: print(json.dumps(s), file=metrics, flush=True))
-    (Path(out_dir) / LOSSES).write_text(json.dumps(summary.pop("losses")))
-    return {**summary, **ckpt.metrics(), **summary_data, "checkpoints": str(ckpt.root)}
+    with (open(Path(out_dir) / METRICS, "a", encoding="utf-8") if rt.main    # a JSON line per logging window
+          else contextlib.nullcontext()) as metrics:
+        summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
+                        on_log=(lambda s: print(json.dumps(s), file=metrics, flush=True)) if rt.main else None)
+    losses = summary.pop("losses")
+    if rt.main:
+        (Path(out_dir) / LOSSES).write_text(json.dumps(losses))
+    return {**summary, **ckpt.metrics(), **summary_data, **extra, "checkpoints": str(ckpt.root)}
+
+
+def consolidated(model, rt: Runtime, build: Callable[[], torch.nn.Module]):
+    """The trained model, whole and plain, where held-out evaluation and saving happen: `model` itself with
+    one process; rank 0's copy under torchrun (None on the other ranks). `build()` makes an untrained model
+    of the same architecture (called on the meta device, only to gather a sharded model into)."""
+    return dist.consolidated(model, rt, build)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from configs.errors import UserError
 from configs.schema import Config
+from engine import dist
 from data.prepare import base_tokenizer_files, check_user_paths
 from data.tokenizer import load_tokenizer
 from model.hf import check_tokenizer_fits, check_weights, read_hf_config
@@ -20,6 +21,7 @@ from model.model import DecoderConfig
 
 def preflight(cfg: Config) -> None:
     check_user_paths(cfg.data)
+    dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     if cfg.base_model is None:
         layout = DecoderConfig(vocab_size=1, arch=cfg.model.arch)
         for key, lora in (("sft.lora.target_modules", cfg.sft.lora), ("dpo.lora.target_modules", cfg.dpo.lora)):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from configs.schema import Config
 from data.pipeline import StageData
-from engine.fit import check_seq_len, decoder_config, fit, setup
+from engine.fit import check_seq_len, consolidated, decoder_config, fit, setup
 from engine.heldout import eval_lm
 from engine.losses import causal_lm_loss
 from model import Decoder
@@ -22,8 +22,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
     model = Decoder(decoder_config(cfg, len(data.tok)))
     check_seq_len(tc.seq_len, model, "pretrain")
     log.info("pretrain: %.2fM parameters", model.num_params() / 1e6)
-    init = eval_lm(cfg, model, data.tok, data.data_dir) if cfg.eval.enabled else None
+    init = eval_lm(cfg, model, data.tok, data.data_dir) if cfg.eval.enabled and rt.main else None
     metrics = fit("pretrain", cfg, tc, model, causal_lm_loss, data, list(inputs.values()), rt, out_dir)
+    model = consolidated(model, rt, lambda: Decoder(model.config))    # None on ranks other than 0
+    if model is None:
+        return metrics
     if cfg.eval.enabled:
         metrics["eval"] = {**eval_lm(cfg, model, data.tok, data.data_dir), "init_perplexity": init["perplexity"],
                            "init_bits_per_byte": init["bits_per_byte"]}

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from configs.schema import Config
 from data.pipeline import StageData
-from engine.fit import check_seq_len, fit, setup
+from engine.fit import check_seq_len, consolidated, fit, setup
 from engine.heldout import eval_tasks
 from engine.losses import causal_lm_loss
-from model import inject_lora
+from model import Decoder, inject_lora
 from model.adapters import save_adapter
 from model.hf import load_native
 
@@ -22,9 +22,17 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
     data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
     model = load_native(inputs["base"])
     check_seq_len(tc.seq_len, model, "sft")
-    inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout, tc.lora.modules_to_save)
+    lora = tc.lora
+
+    def with_lora(m):
+        inject_lora(m, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.modules_to_save)
+        return m
+    with_lora(model)
     log.info("sft: %.3fM trainable of %.2fM", model.num_params(True) / 1e6, model.num_params() / 1e6)
     metrics = fit("sft", cfg, tc, model, causal_lm_loss, data, list(inputs.values()), rt, out_dir)
+    model = consolidated(model, rt, lambda: with_lora(Decoder(model.config)))    # None on ranks other than 0
+    if model is None:
+        return metrics
     if cfg.eval.enabled:
         metrics["eval"] = eval_tasks(cfg, model, data.tok, data.data_dir)
         log.info("sft eval: exact match %.3f %s", metrics["eval"]["exact_match"], metrics["eval"]["per_family"])

@@ -10,6 +10,11 @@ Logged per window: loss and the loss's own metrics, tokens/s (real tokens), toke
 Checkpoints carry the trainable weights, optimizer state, RNG states and the data position of
 the last batch trained on, so a resumed run continues bit-identically (fp32, deterministic ops).
 Runs without Prefect; progress goes to `logging` and to `on_log` (the stage keeps a metrics.jsonl).
+
+With several processes (`Runtime.dist`, engine/dist.py) every rank runs this same loop on its own
+share of the data; the loss and metrics of each micro-batch are averaged over ranks (so every rank
+takes the same decisions: non-finite loss, stop signal, validation), tokens are summed, and only
+rank 0 logs (`tokens_per_s` is then the total, `tokens_per_s_per_gpu` that over world_size).
 """
 from __future__ import annotations
 
@@ -20,13 +25,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from configs.errors import UserError
 from configs.schema import TrainConfig
 from engine.checkpoint import Checkpointer, TrainState
+from engine.dist import injected_failure
 from engine.optim import build_optimizer, lr_at
 
 log = logging.getLogger("glm_lora.engine")
@@ -46,6 +52,12 @@ class Preempted(RuntimeError):
 class Runtime:
     device: torch.device
     dtype: torch.dtype          # autocast dtype; float32 = no autocast
+    dist: Any = None            # engine.dist.Dist under torchrun; None = one process
+
+    @property
+    def main(self) -> bool:
+        """The process that logs and writes files (rank 0, or the only one)."""
+        return self.dist is None or self.dist.main
 
     @classmethod
     def resolve(cls, device: str = "auto", precision: str = "auto") -> "Runtime":
@@ -81,7 +93,11 @@ class StepResult:
 
 def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, trainable, cfg: TrainConfig,
                rt: Runtime, step: int) -> StepResult | None:
-    """One optimizer step over cfg.grad_accum micro-batches; None if it was skipped (non-finite loss)."""
+    """One optimizer step over cfg.grad_accum micro-batches; None if it was skipped (non-finite loss).
+
+    Under torchrun the numbers of each micro-batch are averaged over ranks before anything is decided
+    (tokens and slots summed), and a DDP loss (`no_sync`) all-reduces gradients on the last micro-batch only.
+    """
     lr = lr_at(step, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, base_lr=cfg.lr,
                min_lr_ratio=cfg.min_lr_ratio)
     for group in opt.param_groups:
@@ -92,28 +108,38 @@ def train_step(model, loss_fn: LossFn, batches: Iterator[dict], opt, scaler, tra
         batch = to_device(next(batches), rt.device)
         wait += time.perf_counter() - t
         data_state = batch.get("data_state")
-        with rt.autocast():
-            loss, m = loss_fn(model, batch)
-        # One device→host copy per micro-batch for the loss and every metric (not one per value).
-        values = torch.stack([loss.detach().float(), *(torch.as_tensor(v, device=loss.device).float()
-                                                        for v in m.values())]).tolist()
-        value = values[0]
-        if not math.isfinite(value):
-            opt.zero_grad(set_to_none=True)
-            if cfg.nonfinite == "skip":
-                log.warning("loss is %s at step %d, micro-batch %d: batch skipped", value, step, micro)
-                return None
-            raise NonFiniteLossError(
-                f"loss is {value} at step {step}, micro-batch {micro}; nothing was saved for this step. "
-                f"Try a lower lr (now {cfg.lr}), grad_clip > 0, precision fp32/bf16, or nonfinite: skip.")
-        scaler.scale(loss / cfg.grad_accum).backward()
+        n_tokens = int(batch["num_tokens"])
+        n_slots = int(batch["capacity"]) if "capacity" in batch else batch["input_ids"].numel()
+        last = micro == cfg.grad_accum - 1
+        with (loss_fn.no_sync() if not last and hasattr(loss_fn, "no_sync") else contextlib.nullcontext()):
+            with rt.autocast():
+                loss, m = loss_fn(model, batch)
+            # One device→host copy per micro-batch for the loss and every metric (not one per value).
+            values = torch.stack([loss.detach().float(), *(torch.as_tensor(v, device=loss.device).float()
+                                                            for v in m.values())]).tolist()
+            if rt.dist is not None:     # one all-reduce: the rank mean of every value, the sum of tokens
+                sums = rt.dist.sum([*values, n_tokens, n_slots])
+                values = [v / rt.dist.world_size for v in sums[:-2]]
+                n_tokens, n_slots = int(sums[-2]), int(sums[-1])
+            value = values[0]
+            if not math.isfinite(value):
+                opt.zero_grad(set_to_none=True)
+                if cfg.nonfinite == "skip":
+                    log.warning("loss is %s at step %d, micro-batch %d: batch skipped", value, step, micro)
+                    return None
+                raise NonFiniteLossError(
+                    f"loss is {value} at step {step}, micro-batch {micro}; nothing was saved for this step. "
+                    f"Try a lower lr (now {cfg.lr}), grad_clip > 0, precision fp32/bf16, or nonfinite: skip.")
+            scaler.scale(loss / cfg.grad_accum).backward()
         total += value / cfg.grad_accum
         for k, v in zip(m, values[1:]):
             metrics[k] = metrics.get(k, 0.0) + v / cfg.grad_accum
-        tokens += int(batch["num_tokens"])
-        capacity += int(batch["capacity"]) if "capacity" in batch else batch["input_ids"].numel()
+        tokens += n_tokens
+        capacity += n_slots
     scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):      # FSDP2: a DTensor (the norm over every rank's shard)
+        grad_norm = grad_norm.full_tensor()
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
@@ -135,6 +161,7 @@ class Window:
     total_tokens: int = 0
     total_capacity: int = 0
     total_wait: float = 0.0
+    world_size: int | None = None    # several processes: tokens are everyone's, also report per GPU
 
     def add(self, r: StepResult) -> None:
         for k, v in {**r.metrics, "grad_norm": r.grad_norm}.items():
@@ -154,6 +181,8 @@ class Window:
                    stage_tokens_per_s=self.total_tokens / max(now - self.t0, 1e-9),
                    stage_token_efficiency=self.total_tokens / max(self.total_capacity, 1),
                    stage_io_wait_s=self.total_wait)
+        if self.world_size:
+            out.update(tokens_per_s_per_gpu=out["tokens_per_s"] / self.world_size, world_size=self.world_size)
         self.sums, self.steps, self.tokens, self.capacity, self.wait, self.start = {}, 0, 0, 0, 0.0, now
         return out
 
@@ -196,17 +225,21 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
     the last, are left in the model. `checkpointer` (default: none on disk) is closed when the loop ends.
     """
     ckpt = checkpointer or Checkpointer()
-    model.to(rt.device).train()
+    d = rt.dist
+    if d is None:
+        model.to(rt.device)
+    model.train()       # (under torchrun engine.dist.parallelize has placed it)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, fused=rt.device.type == "cuda",
                           lora_b_lr_ratio=cfg.lora.b_lr_ratio if hasattr(cfg, "lora") else 1.0)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = ckpt.restore(model, opt) or TrainState()
     validating = validate is not None and cfg.eval_every > 0
-    batches, window, summary = make_batches(state.data_state), Window(), {}
+    batches, window, summary = make_batches(state.data_state), Window(world_size=d and d.world_size), {}
     with ckpt, StopRequest() as stop, (contextlib.closing(batches) if hasattr(batches, "close")
                                        else contextlib.nullcontext()):
         while state.step < cfg.max_steps and not state.stopped_early:
+            injected_failure(d.rank if d else 0, state.step)
             # ---- data + step (train_step draws cfg.grad_accum micro-batches)
             try:
                 result = train_step(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, state.step)
@@ -222,10 +255,11 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
             # ---- log
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 summary = {**window.summary(step), "skipped_batches": state.skipped}
-                log.info("%s step %d/%d %s", ckpt.name, step, cfg.max_steps,
-                         " ".join(f"{k}={v:.4g}" for k, v in summary.items() if k != "step" and v is not None))
-                if on_log:
-                    on_log(summary)
+                if rt.main:
+                    log.info("%s step %d/%d %s", ckpt.name, step, cfg.max_steps,
+                             " ".join(f"{k}={v:.4g}" for k, v in summary.items() if k != "step" and v is not None))
+                    if on_log:
+                        on_log(summary)
             # ---- validate (before the checkpoint, so a resume knows the best step)
             if validating and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 val_loss = validate()
@@ -235,9 +269,10 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
                 log.info("%s step %d validation loss %.4f (best %.4f at step %d)%s", ckpt.name, step, val_loss,
                          state.best_val_loss, state.best_step, "; stopping early: no improvement in %d validations"
                          % cfg.patience if state.stopped_early else "")
-            # ---- checkpoint
-            ckpt.maybe_save(state, model, opt, stop=stop.requested, max_steps=cfg.max_steps)
-            if stop.requested:
+            # ---- checkpoint (a signal seen by any rank stops them all at this same step)
+            stopping = stop.requested if d is None else d.any(stop.requested)
+            ckpt.maybe_save(state, model, opt, stop=stopping, max_steps=cfg.max_steps)
+            if stopping:
                 raise Preempted(f"{ckpt.name}: stopped by signal at step {step}; checkpoint saved, re-run to resume")
     if validating:
         ckpt.restore_best(model, state)

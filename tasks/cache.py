@@ -17,7 +17,9 @@ import artifacts
 import kernels
 from artifacts import code_version, is_complete, read_manifest, sha256_json, sha256_path
 from configs import get_dotted
-from tasks.table import STAGES
+from engine.dist import world_size
+from tasks.launch import torchrun_stage
+from tasks.table import DISTRIBUTED, STAGES
 
 
 def _user_paths(node: Any) -> list[str]:
@@ -117,6 +119,8 @@ def build_stage(name: str, cfg, inputs: dict[str, dict], *, force: bool = False,
         log.info("%s: running: %s", name, "; ".join(["forced (refresh)"] if force else
                                                     explain(name, cfg_dict, inputs, out)))
     fn = STAGES[name].function()
+    if name in DISTRIBUTED and (cfg.dist.launcher == "torchrun" or world_size(cfg) > 1):
+        fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
     with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),

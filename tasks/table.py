@@ -29,7 +29,7 @@ class Stage:
         return getattr(importlib.import_module(module), name)
 
 
-_ENGINE = ("device", "precision", "kernels", "attention")
+_ENGINE = ("device", "precision", "kernels", "attention", "dist.nproc_per_node", "dist.nnodes", "dist.strategy")
 STAGES: dict[str, Stage] = {
     "data": Stage("data.prepare:data_stage", (), ("data", "eval.max_rows"), ("data",)),
     "tokenizer": Stage("data.prepare:tokenizer_stage", ("data",), ("tokenizer", "base_model"), ("data",)),
@@ -41,6 +41,9 @@ STAGES: dict[str, Stage] = {
                     ("export",) + TRAINING_CODE),
     "serve": Stage("serve.stage:run", ("export",), ("serve",), ("serve", "export") + TRAINING_CODE, cached=False),
 }
+
+
+DISTRIBUTED = ("pretrain", "sft", "dpo")     # run under torchrun when dist asks for it (tasks/launch.py)
 
 
 def base_stage(cfg: dict) -> str:

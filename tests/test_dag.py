@@ -316,3 +316,25 @@ def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_lo
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff, base_used = proc.stdout.split("MAXDIFF")[1].split()
     assert float(diff) < 1e-4 and base_used == str((copy / "export" / "sft_merged").resolve())
+
+
+def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(dag, monkeypatch):
+    """dist.nproc_per_node: 2 — every training stage runs under torchrun (gloo on the CPU); the
+    artifacts are the single-process ones. A rank that raises fails the stage with its own message:
+    a user error is not retried, anything else is (and resumes from the stage's checkpoint)."""
+    overrides = {**dag["overrides"], "run_name": "two-ranks", "serve.enabled": False, "dist.nproc_per_node": 2,
+                 "pretrain.max_steps": 20, "sft.max_steps": 8, "dpo.max_steps": 4}
+    result, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export")}
+    run_dir = Path(overrides["runs_dir"]) / "two-ranks"
+    for stage in ("pretrain", "sft", "dpo"):
+        metrics = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]
+        assert metrics["world_size"] == 2 and metrics["strategy"] == ("fsdp2" if stage == "pretrain" else "ddp")
+    assert (run_dir / "export" / "merged" / "model.safetensors").is_file()
+
+    from flows.glm_lora import glm_lora
+    monkeypatch.setenv("GLM_LORA_TEST_FAIL", "1:2:user")      # rank 1 stops on a user error at step 2
+    state = glm_lora(config="tiny", overrides={**overrides, "sft.max_steps": 9}, return_state=True)
+    assert state.is_failed() and state.name == "StageFailed"
+    assert state.message.startswith("sft: rank 1: injected failure on rank 1 at step 2"), state.message
+    assert _task_states(state.state_details.flow_run_id)["sft"] == "RankUserError"

@@ -30,7 +30,7 @@ from pathlib import Path
 import kernels
 from configs import load_config, parse_value
 from configs.errors import UserError
-from engine import dist
+from engine import dist, progress
 from engine.trainer import Runtime
 
 TRAINING_STAGES = ("pretrain", "import_base", "sft", "dpo")
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger().setLevel(logging.WARNING)
             dist.check(cfg, d.world_size)
         run = importlib.import_module(f"engine.{args.stage}").run
-        with kernels.using(cfg.kernels, cfg.attention):
+        with kernels.using(cfg.kernels, cfg.attention), progress.listening(lambda e: print(progress.as_line(e),
+                                                                                         flush=True)):
             metrics = run(cfg, inputs, args.out) if d is None or d.main or args.stage not in ONE_PROCESS else {}
         if d is not None:
             d.barrier()         # the other ranks wait for rank 0's held-out evaluation and files

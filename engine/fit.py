@@ -18,7 +18,7 @@ import torch
 from configs.errors import UserError
 from configs.schema import Config, TrainConfig
 from data.pipeline import StageData
-from engine import dist
+from engine import dist, progress
 from engine.checkpoint import Checkpointer
 from engine.heldout import validation_loss
 from engine.trainer import Runtime, train
@@ -78,8 +78,13 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
     validate = validation_loss(data, stage, tc, loss_fn, model, rt, cfg.eval.max_rows) if tc.eval_every else None
     with (open(Path(out_dir) / METRICS, "a", encoding="utf-8") if rt.main    # a JSON line per logging window
           else contextlib.nullcontext()) as metrics:
+        def on_log(window: dict) -> None:
+            print(json.dumps(window), file=metrics, flush=True)
+            progress.report({"stage": stage, "step": window["step"], "max_steps": tc.max_steps,
+                             "loss": window.get("loss"), "tokens_per_s": window.get("tokens_per_s"),
+                             "elapsed_s": window.get("elapsed_s")})
         summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
-                        on_log=(lambda s: print(json.dumps(s), file=metrics, flush=True)) if rt.main else None)
+                        on_log=on_log if rt.main else None)
     losses = summary.pop("losses")
     if rt.main:
         (Path(out_dir) / LOSSES).write_text(json.dumps(losses))

@@ -2,7 +2,9 @@
 `python -m flows.cli status` says, per stage, whether the next run reuses it and if not, why;
 `python -m flows.cli stage NAME` runs one stage's plain function without Prefect, reading its
 inputs from the run directory (the stage table, tasks/table.py, says which) — for debugging; it
-imports no Prefect.
+imports no Prefect. `python -m flows.cli serve status|stop|promote` manages the configured run's served
+endpoint (serve/deploy.py): `promote --export DIR` (or `--previous`) puts an export on it through the
+blue/green path, e.g. to go back to yesterday's model.
 
 Overrides use dotted keys: `--set sft.max_steps=50 --set sft.lora.r=32`.
 """
@@ -12,11 +14,13 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import artifacts
 from artifacts.lock import run_lock
 from configs import ConfigError, load_config, parse_value
 from configs.errors import UserError
+from engine import progress
 from tasks.table import STAGES
 
 def _overrides(pairs: list[str]) -> dict:
@@ -56,12 +60,41 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
         if name == "run":
             p.add_argument("--refresh", action="append", default=[], metavar="STAGE", help="rebuild this stage")
+    p = sub.add_parser("serve", help="the served endpoint of the configured run: status | stop | promote")
+    p.add_argument("action", choices=["status", "stop", "promote"])
+    p.add_argument("--config", default="tiny", help="preset name (configs/*.yaml) or a path to a YAML file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--export", help="promote: an export directory (a run's export/ or serving/exports/<digest>/)")
+    p.add_argument("--previous", action="store_true", help="promote: the export served before the current one")
+    p.add_argument("--allow-regression", action="store_true", help="promote: skip the gate's no-regression checks")
+    p.add_argument("--all", action="store_true", help="stop: every deployment listed on this machine (scripts/stop.sh)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        return _run(args)
+        with progress.listening(TerminalBars()):
+            return _run(args)
     except (UserError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
         return _user_error(e)
+
+
+class TerminalBars:
+    """A tqdm bar per training stage on stderr (step / max_steps, loss, tokens/s, ETA)."""
+
+    def __init__(self):
+        self.bar, self.stage = None, None
+
+    def __call__(self, event: dict) -> None:
+        from tqdm import tqdm
+        if event.get("stage") != self.stage:
+            if self.bar is not None:
+                self.bar.close()
+            self.stage, self.bar = event.get("stage"), tqdm(total=event.get("max_steps"), desc=event.get("stage"),
+                                                            unit="step", dynamic_ncols=True)
+        self.bar.n = event["step"]
+        self.bar.set_postfix(loss=f"{event.get('loss') or 0:.4g}", tok_s=f"{event.get('tokens_per_s') or 0:,.0f}")
+        if event["step"] >= (event.get("max_steps") or 0):
+            self.bar.close()
+            self.bar, self.stage = None, None
 
 
 def _user_error(e: BaseException | str) -> int:
@@ -75,6 +108,8 @@ def _run(args) -> int:
 
     overrides = _overrides(args.set)
     cfg = load_config(args.config, overrides)
+    if args.cmd == "serve":
+        return _serve(args, cfg)
     if args.cmd == "status":
         from tasks.cache import status
         for stage, why in status(cfg):
@@ -92,6 +127,32 @@ def _run(args) -> int:
     if state.is_failed():
         return _user_error(state.message) if is_user_error(state) else 1   # a bug: Prefect logged its traceback
     print(json.dumps(state.result(), indent=2, ensure_ascii=False))
+    return 0
+
+
+def _serve(args, cfg) -> int:
+    """`serve status|stop|promote`: the deployment in the configured run directory (serve/deploy.py); no Prefect."""
+    from serve import deploy
+
+    dep = deploy.Deployment.of(cfg)
+    if args.action == "status":
+        print(json.dumps(deploy.status(dep), indent=2, ensure_ascii=False))
+        return 0
+    if args.action == "stop":        # --all: what the index lists (any runs_dir), not just this run
+        for root in sorted(set(deploy.indexed())) if args.all else [dep.root]:
+            if (root / deploy.RECORD).is_file():
+                print(f"[serve stop] {root}: stopped pids {deploy.stop(deploy.Deployment.at(root))}")
+        stage_dirs = Path(cfg.runs_dir).glob("*/serve") if args.all else [cfg.stage_dir("serve")]
+        for rec in filter(None, map(deploy.legacy_server, stage_dirs)):    # servers of the pre-blue/green stage
+            deploy.vs.stop_server(rec["pid"])
+            print(f"[serve stop] stopped the old serve stage's server pid {rec['pid']}")
+        return 0
+    if bool(args.export) == bool(args.previous):
+        raise UserError("serve promote: give one of --export DIR and --previous")
+    from serve.stage import promote_export
+    export = deploy.previous_export(dep) if args.previous else Path(args.export)
+    result = promote_export(cfg, export, allow_regression=args.allow_regression or args.previous)
+    print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 
 

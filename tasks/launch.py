@@ -24,6 +24,7 @@ import yaml
 
 from artifacts import REPO
 from configs.errors import UserError
+from engine import progress
 from engine.dist import nproc_per_node
 
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
@@ -62,12 +63,16 @@ def torchrun_stage(stage: str, cfg, inputs: dict[str, Path], out_dir: Path, *,
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,   # our cwd: relative paths
                           bufsize=1) as proc:
         for line in proc.stdout:
-            line = line.rstrip("\n")
+            line = _strip(line.rstrip("\n"))
+            event = progress.from_line(line)
+            if event is not None:           # rank 0's training progress: to whoever listens in this process
+                progress.report(event)
+                continue
             lines.append(line)
-            log.info("%s", re.sub(r"^\[default0\]:", "", line))
+            log.info("%s", line)
     if proc.returncode != 0:
         raise _failure(stage, log_dir, "\n".join(lines))
-    metrics = next((json.loads(m) for m in reversed([_strip(x) for x in lines]) if m.startswith("{")), None)
+    metrics = next((json.loads(m) for m in reversed(lines) if m.startswith("{")), None)
     if metrics is None:
         raise RankFailed(f"{stage}: torchrun finished but rank 0 printed no metrics; logs in {log_dir}")
     return metrics

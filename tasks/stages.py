@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Callable
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.states import Completed, Failed
 
 from configs.errors import UserError
+from engine import progress
 from configs.schema import Config
 from tasks import report
 from tasks.cache import build_stage
@@ -80,12 +81,41 @@ def fails_cleanly(fn: Callable) -> Callable:
     return wrapper
 
 
+class ProgressArtifact:
+    """A training stage's progress artifact, updated every logging window (step, loss, tokens/s, ETA);
+    100% when the stage has finished (also when early stopping ended it before max_steps)."""
+
+    def __init__(self, cfg: Config, stage: str):
+        self.key, self.stage, self.id, self.text = artifact_key(cfg.run_name, f"{stage}-progress"), stage, None, ""
+
+    def __call__(self, event: dict) -> None:
+        if event.get("stage") != self.stage or not event.get("max_steps"):
+            return
+        eta = progress.eta_s(event)
+        self.text = (f"{self.stage}: step {event['step']}/{event['max_steps']}, loss {event.get('loss') or 0:.4g}, "
+                     f"{event.get('tokens_per_s') or 0:,.0f} tokens/s" + (f", ETA {eta / 60:.1f} min" if eta else ""))
+        self._set(100.0 * event["step"] / event["max_steps"], self.text)
+
+    def done(self) -> None:
+        if self.id is not None:
+            self._set(100.0, f"{self.text} — done")
+
+    def _set(self, pct: float, text: str) -> None:
+        if self.id is None:
+            self.id = create_progress_artifact(pct, key=self.key, description=text)
+        else:
+            update_progress_artifact(self.id, pct, description=text)
+
+
 def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = False):
     """Build (or reuse) one stage's artifact, with its Prefect artifacts and logs."""
     cfg = Config.model_validate(cfg_dict)
     log = get_run_logger()
     slot = (lambda: concurrency(TRAIN_SLOT, occupy=1)) if name in TRAINING else contextlib.nullcontext
-    ref, reused = build_stage(name, cfg, inputs, force=force, log=log, guard=slot)
+    bar = ProgressArtifact(cfg, name)
+    with progress.listening(bar) if name in TRAINING else contextlib.nullcontext():
+        ref, reused = build_stage(name, cfg, inputs, force=force, log=log, guard=slot)
+    bar.done()
     if reused:
         log.info("%s: reusing %s (cache key in its manifest matches)", name, ref.path)
         return Completed(name="Cached", data=ref.to_dict(), message=f"reused {ref.path}")

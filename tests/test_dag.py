@@ -112,6 +112,9 @@ def test_each_stage_shows_tables_and_loss_curves_in_the_ui(dag):
     assert found["tiny-sft-metrics"].type == "table" and found["tiny-sft-loss-curve"].type == "markdown"
     assert "data:image/png;base64," in found["tiny-sft-loss-curve"].data
     assert (dag["run_dir"] / "reports" / "sft-loss.png").is_file()
+    for stage in ("pretrain", "sft", "dpo"):      # updated every logging window, 100% once the stage is done
+        bar = found[f"tiny-{stage}-progress"]
+        assert bar.type == "progress" and float(bar.data) == 100.0 and "done" in bar.description, bar
 
 
 def _ids(run_dir: Path) -> torch.Tensor:

@@ -60,24 +60,38 @@ def run_lock(run_dir: Path) -> Iterator[None]:
 
 
 def _acquire(run_dir: Path):
+    f, holder = take_flock(Path(run_dir) / LOCK)
+    if f is None:
+        raise RunDirBusy(f"{run_dir} is in use by another glm-lora run ({holder}); wait for it to finish "
+                         "or choose another run_name")
+    return f
+
+
+def take_flock(path: Path, wait_s: float = 0.0):
+    """(open file, "") once this process holds an exclusive flock on `path` (closing the file releases it;
+    the file names the holder), or (None, the holder's note) if it is still taken after `wait_s`."""
     import fcntl
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / LOCK, "a+", encoding="utf-8")    # not inherited by child processes (PEP 446)
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown process"
-        f.close()
-        raise RunDirBusy(f"{run_dir} is in use by another glm-lora run ({holder}); wait for it to finish "
-                         "or choose another run_name") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+", encoding="utf-8")    # not inherited by child processes (PEP 446)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                f.seek(0)
+                holder = f.read().strip() or "unknown process"
+                f.close()
+                return None, holder
+            time.sleep(0.2)
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
             f"{' '.join(sys.argv)[:200]}")
     f.flush()
-    return f
+    return f, ""
 
 
 def pid_alive(pid: int) -> bool:

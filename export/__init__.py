@@ -25,7 +25,13 @@ copied run directory still loads: `PeftModel.from_pretrained(AutoModelForCausalL
 adapter / base_model_name_or_path), adapter)`. An adapter's adapter_config.json lists the projections it holds ("all-linear" in our config resolved
 to the layout's names), so PEFT and vLLM see exactly the modules the weights belong to. An adapter with
 modules_to_save (the tiny default's SFT: embed_tokens, lm_head) loads in PEFT; vLLM refuses those in
-either form (NOTES.md): serve merged/ instead.
+either form (NOTES.md).
+
+How the glm-lora server serves an export (serve/deploy.py `serving_plan`): vLLM loads sft_merged/, served as
+`<name>-sft`; the DPO adapter (no modules_to_save: DPO trains LoRA only) on it is the final model, served
+as `<name>` and `<name>-dpo` — each adapter on its proper base, and the SFT stage in its merged form,
+which vLLM serves whatever the SFT adapter trained in full. The manifest records which adapters vLLM
+can take (`vllm_servable_adapters`) and each model card says how it is served.
 """
 from __future__ import annotations
 
@@ -42,12 +48,11 @@ from data.prepare import SOURCES, TOKENIZER_FILES
 from data.tokenizer import end_of_turn_ids, load_tokenizer
 from engine import evaluate
 from export.model_card import write_model_card
-from model.adapters import load_policy, read_adapter
+from model.adapters import PEFT_CONFIG, PEFT_WEIGHTS, load_policy, read_adapter, vllm_unservable
 from model.hf import save_hf
 
 COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter
 VLLM_SPLIT_ARCHS = ("glm4",)   # layouts whose vLLM implementation wants gate_proj/up_proj LoRAs (see above)
 
@@ -138,7 +143,10 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
                        vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS)
     evals = collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)
     _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), split)
-    return {"dtype": cfg.serve.dtype, "architecture": arch, "vllm_split_adapters": split, "eval": evals}
+    servable = {f"adapters/{n}": vllm_unservable(out_dir / "adapters" / n) or "yes" for n in ("sft", "dpo")}
+    return {"dtype": cfg.serve.dtype, "architecture": arch, "vllm_split_adapters": split,
+            "vllm_servable_adapters": servable, "eval": evals}
+
 
 
 def _datasets(stage_dir: Path) -> list[str]:
@@ -155,19 +163,28 @@ def _datasets(stage_dir: Path) -> list[str]:
 def _model_cards(cfg: Config, out_dir: Path, arch: str, evals: dict, datasets: list[str], split: bool) -> None:
     pick = lambda *stages: {s: evals[s] for s in stages if s in evals}   # noqa: E731
     card = dict(architecture=arch, run_name=cfg.run_name, datasets=datasets)
+    run = cfg.run_name
     write_model_card(out_dir / "base", title="base", what="The starting weights (pretrained or imported)",
                      base_model=None, adapter=False, metrics=pick("pretrain"), **card)
     write_model_card(out_dir / "sft_merged", title="sft_merged", what="The base with the SFT adapter merged in",
-                     base_model="../base", adapter=False, metrics=pick("pretrain", "sft"), **card)
-    write_model_card(out_dir / "merged", title="merged", what="The base with the SFT and DPO adapters merged in "
-                     "(what the serve stage serves)", base_model="../sft_merged", adapter=False,
-                     metrics=pick("pretrain", "sft", "dpo"), **card)
+                     base_model="../base", adapter=False, metrics=pick("pretrain", "sft"),
+                     served_as=f"the model the glm-lora server loads, served as `{run}-sft` (and the DPO "
+                               f"adapter's base: `{run}`, `{run}-dpo`)", **card)
+    write_model_card(out_dir / "merged", title="merged", what="The base with the SFT and DPO adapters merged in",
+                     base_model="../sft_merged", adapter=False, metrics=pick("pretrain", "sft", "dpo"),
+                     served_as=f"`{run}` with `serve.adapters: false`; with adapters the server answers `{run}` "
+                               "with ../sft_merged + the DPO adapter, which equals this model (the smoke test "
+                               "checks it against this directory)", **card)
     for name, base in (("sft", "../../base"), ("dpo", "../../sft_merged")):
         dirs = [out_dir / "adapters" / name] + ([out_dir / "adapters" / f"{name}{VLLM_SUFFIX}"] if split else [])
+        why = vllm_unservable(out_dir / "adapters" / name)
+        served = (f"not as an adapter: {why}; the server answers `{run}-sft` with ../../sft_merged instead"
+                  if why else f"`{run}-{name}`" + (f" and `{run}` (the final model)" if name == "dpo" else "") +
+                  f" on {base}" + (" (the -vllm form)" if split else ""))
         for d in dirs:
             form = " (split gate_proj/up_proj form for vLLM)" if d.name.endswith(VLLM_SUFFIX) else ""
             write_model_card(d, title=d.name, what=f"The {name.upper()} LoRA adapter{form}", base_model=base,
-                             adapter=True, metrics=pick(name), **card)
+                             adapter=True, metrics=pick(name), served_as=served, **card)
 
 
 def compare_report(models: dict, tok, prompts: list[str], max_new_tokens: int) -> str:

@@ -30,8 +30,10 @@ def _metric_names(metrics: dict) -> list[str]:
 
 
 def write_model_card(out_dir: Path, *, title: str, what: str, base_model: str | None, adapter: bool,
-                     architecture: str, run_name: str, metrics: dict, datasets: list[str]) -> None:
-    """`base_model`: the path of this directory's base relative to it (adapters, merged models), or None."""
+                     architecture: str, run_name: str, metrics: dict, datasets: list[str],
+                     served_as: str | None = None) -> None:
+    """`base_model`: the path of this directory's base relative to it (adapters, merged models), or None.
+    `served_as`: how the glm-lora server (serve/deploy.py) serves this directory, if it does."""
     data = ModelCardData(base_model=base_model, library_name="peft" if adapter else "transformers",
                          tags=TAGS + (["lora", "peft"] if adapter else [architecture]),
                          datasets=datasets or None, metrics=_metric_names(metrics) or None,
@@ -62,6 +64,8 @@ tokenizer = AutoTokenizer.from_pretrained("{here}")   # the chat template is in 
 ```
 
 vLLM: `vllm serve {here} --served-model-name {run_name}`."""
+    if served_as:
+        load += f"\n\nServed by glm-lora (`serve.port`, README \"Serving\"): {served_as}."
     body = f"""---
 {data.to_yaml()}
 ---

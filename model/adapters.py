@@ -43,3 +43,15 @@ def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
     for p in model.parameters():
         p.requires_grad_(True)
     return model
+
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def vllm_unservable(adapter_dir: Path) -> str | None:
+    """None if vLLM can serve this PEFT adapter as a LoRA; else why not (it refuses modules_to_save)."""
+    config = Path(adapter_dir) / PEFT_CONFIG
+    if not config.is_file():
+        return f"{adapter_dir} has no {PEFT_CONFIG}"
+    saved = json.loads(config.read_text()).get("modules_to_save")
+    return f"it trains {', '.join(saved)} in full (modules_to_save), which vLLM refuses" if saved else None

@@ -20,6 +20,8 @@ if ! curl -sf "$PREFECT_API_URL/health" >/dev/null; then
 fi
 require_prefect_auth || exit 1
 prefect work-pool inspect glm-lora >/dev/null 2>&1 || prefect work-pool create glm-lora --type process >/dev/null
+# Training stages take this slot (tasks/stages.py): a manual run and the nightly never train at once.
+prefect gcl inspect glm-lora-train >/dev/null 2>&1 || prefect gcl create glm-lora-train --limit 1 >/dev/null
 prefect --no-prompt deploy --all >/dev/null
 
 if ! { [ -f "$PREFECT_HOME/worker.pid" ] && kill -0 "$(cat "$PREFECT_HOME/worker.pid")" 2>/dev/null; }; then

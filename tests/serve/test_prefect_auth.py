@@ -97,6 +97,12 @@ def test_server_requires_the_auth_string(prefect_server, tmp_path: Path) -> None
     # Clients that source env.sh send it: the CLI (as run.sh uses it) and a Secret block for serve.api_key_secret.
     cli = _bash("prefect --no-prompt work-pool create auth-test --type process && prefect work-pool inspect auth-test", env)
     assert cli.returncode == 0, cli.stdout + cli.stderr
+    # prefect.yaml registers as run.sh registers it: full, nightly, and the serve deployment (promote / roll back)
+    deploy = _bash("prefect --no-prompt work-pool create glm-lora --type process >/dev/null && prefect --no-prompt "
+                   "deploy --all >/dev/null && prefect deployment ls", env)
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    for name in ("glm-lora/full", "glm-lora/nightly", "glm-lora-serve/serve"):
+        assert name in deploy.stdout, deploy.stdout
     script = """
 from prefect.blocks.system import Secret
 from configs.errors import UserError

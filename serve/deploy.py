@@ -1,0 +1,548 @@
+"""Blue/green serving: one stable endpoint, one live vLLM server behind it, promotions that never leave
+the endpoint without a model.
+
+    <run_dir>/serving/
+      server.json        the record (below), rewritten atomically at every step
+      .lock              flock: one promotion or stop at a time per deployment
+      nginx/             the stable endpoint's nginx: config, pid, logs (serve/proxy.py)
+      exports/<digest>/  hard-linked snapshots of the exports served (immutable: a re-run that republishes
+                         runs/<run>/export cannot change files a live server still reads, e.g. adapters)
+      logs/              each vLLM server's log, the watchdog's
+      answer.json        the last promotion's answers (also in the serve stage's own output)
+
+serving_plan(): what one vLLM server serves from an export, by served name (README "Serving").
+
+promote(): the export's manifest is verified and the gate checked first (neither needs a server, so a
+failing export costs no start) → snapshot → our decoder's reference answers → the candidate starts on
+a free loopback port and is recorded at once → healthy → smoke test (serve/smoke.py) → nginx is
+switched to it (new config + SIGHUP, confirmed by the generation each answer carries, then one real
+answer through the endpoint) → the record names it active → once nginx's old workers have finished
+their requests, the old server is stopped. Any failure before the record names the candidate active
+puts nginx back on the old server (if it had moved) and stops the candidate: the old model keeps
+answering and the caller gets the reason. An unchanged export (same digest, same serving settings)
+keeps the live server: it is only smoke-tested again, through the endpoint.
+
+A killed promotion (kill -9 of the stage) is settled by a watchdog started beside each candidate
+(`python -m serve.watchdog`): it blocks on a pipe only the promoting process holds; when the pipe closes
+and that process is gone, it takes the lock and undoes what the promotion left (nginx back on the active
+server, the candidate stopped, the record cleaned). Every later command settles such leftovers as well
+(in case the watchdog died too): whoever holds the lock is the only promotion running.
+
+The record (server.json): endpoint, host, port; proxy {pid, home}; active / candidate (a server: pid,
+port, url, log, export snapshot, source export, digest, spec, plan, eval, reference answers, started,
+promoted; a candidate also its owner {pid, start}); retiring (old servers waiting for their
+requests to finish); history (exports served, newest first: what `serve promote --previous` goes back to).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from artifacts import REPO, atomic_write_text, code_version, sha256_json, verify
+from artifacts.lock import take_flock
+from configs.errors import UserError
+from engine.gate import promotion_gate
+from model.adapters import vllm_unservable
+from serve import proxy
+from serve import vllm_server as vs
+
+log = logging.getLogger("glm_lora.serve")
+SERVING, RECORD, LOCK, ANSWER = "serving", "server.json", ".lock", "answer.json"
+
+
+class GateFailed(UserError, RuntimeError):
+    pass
+
+
+class ServingBusy(UserError):
+    """Another promotion (or stop) of this deployment holds its lock."""
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One stable endpoint and what serves it: <run_dir>/serving/."""
+    root: Path
+    host: str
+    port: int
+
+    @classmethod
+    def of(cls, cfg) -> "Deployment":
+        return cls(Path(cfg.run_dir).absolute() / SERVING, cfg.serve.host, cfg.serve.port)
+
+    @classmethod
+    def at(cls, root: Path) -> "Deployment":
+        """The deployment recorded in `root` (its own host and port)."""
+        rec = json.loads((Path(root) / RECORD).read_text())
+        return cls(Path(root), rec["host"], rec["port"])
+
+    record = property(lambda self: self.root / RECORD)
+    nginx = property(lambda self: self.root / "nginx")
+    exports = property(lambda self: self.root / "exports")
+    logs = property(lambda self: self.root / "logs")
+
+    @property
+    def url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+
+# ---------------------------------------------------------------- the record, the lock, the index
+
+def read_record(dep: Deployment) -> dict:
+    try:
+        rec = json.loads(dep.record.read_text())
+    except FileNotFoundError:
+        rec = {}
+    return {"host": dep.host, "port": dep.port, "endpoint": dep.url, "proxy": None, "active": None,
+            "candidate": None, "retiring": [], "history": [], **rec}
+
+
+def write_record(dep: Deployment, rec: dict) -> None:
+    rec.update(updated=_now(), running=bool(rec["active"] and rec["proxy"]))
+    atomic_write_text(dep.record, json.dumps(rec, indent=2, ensure_ascii=False))
+    entry = index_dir() / (hashlib.sha256(str(dep.record).encode()).hexdigest()[:16] + ".json")
+    if any(rec[k] for k in ("proxy", "active", "candidate", "retiring")):
+        atomic_write_text(entry, json.dumps({"record": str(dep.record)}))
+    else:
+        entry.unlink(missing_ok=True)
+
+
+def index_dir() -> Path:
+    """Where every deployment with something running is listed (scripts/stop.sh stops them all), whatever
+    runs_dir it lives in: $GLM_LORA_SERVING_INDEX, else $PREFECT_HOME/serving (~/.prefect/serving)."""
+    home = os.environ.get("PREFECT_HOME") or "~/.prefect"
+    return Path(os.environ.get("GLM_LORA_SERVING_INDEX") or Path(home).expanduser() / "serving")
+
+
+def indexed() -> list[Path]:
+    """Serving directories of the deployments listed in the index."""
+    out = []
+    for entry in sorted(index_dir().glob("*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            out.append(Path(json.loads(entry.read_text())["record"]).parent)
+    return out
+
+
+@contextlib.contextmanager
+def locked(dep: Deployment, wait_s: float = 0.0):
+    """Hold the deployment's lock (an flock: the kernel drops it however the holder ends)."""
+    f, holder = take_flock(dep.root / LOCK, wait_s)
+    if f is None:
+        raise ServingBusy(f"{dep.root} is busy: another promotion or stop is running ({holder}); "
+                          "wait for it, then try again")
+    with f:
+        yield
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _owner() -> dict:
+    return {"pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def owner_alive(owner: dict) -> bool:
+    return _start_time(owner["pid"]) == owner["start"]
+
+
+def servers_of(dep: Deployment) -> set[int]:
+    """Live vLLM servers whose model is one of this deployment's snapshots (recorded or not)."""
+    mark, found = str(dep.exports).encode() + b"/", set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and any(a.startswith(mark) for a in argv):
+            pid = int(cmdline.parent.name)
+            if vs._alive(pid):
+                found.add(pid)
+    return found
+
+
+def _stop_server(pid: int) -> None:
+    try:
+        vs.stop_server(pid)
+    except RuntimeError as e:     # a recorded pid now belongs to something else: leave it alone
+        log.warning("%s", e)
+
+
+# ---------------------------------------------------------------- settling what a failure left
+
+def settle(dep: Deployment, rec: dict) -> dict:
+    """Bring the deployment back to its active server. Call it with the lock held: then no promotion is
+    running, so every candidate or retiring server in the record was left by one that failed or died.
+    Forget processes that are gone, point nginx back at the active server if a promotion had moved it,
+    then stop those leftovers."""
+    changed = False
+    if rec["proxy"] and not proxy.is_ours(rec["proxy"]["pid"], dep.nginx):
+        log.warning("the endpoint's nginx (pid %s) is gone", rec["proxy"]["pid"])
+        rec["proxy"], changed = None, True
+    if rec["active"] and not vs.is_running(rec["active"]["pid"]):
+        log.warning("the active server (pid %s) is gone", rec["active"]["pid"])
+        rec["active"], changed = None, True
+    left = [e for e in [rec["candidate"], *rec["retiring"]] if e]
+    active = rec["active"]
+    if rec["proxy"] and (left or changed) and proxy.conf_backend(dep.nginx) != (active or {}).get("port"):
+        if active:     # nginx first, so that nothing is stopped under a request it routes
+            gen = proxy.conf_generation(dep.nginx) + 1
+            proxy.write_conf(dep.nginx, host=rec["host"], port=rec["port"], backend_port=active["port"],
+                             generation=gen, drain_s=rec.get("drain_s", 120))
+            old = proxy.reload(rec["proxy"]["pid"], dep.nginx, host=rec["host"], port=rec["port"], generation=gen)
+            proxy.wait_drained(old, rec.get("drain_s", 120))
+            log.warning("nginx is back on the active server (port %s)", active["port"])
+        else:
+            proxy.stop(rec["proxy"]["pid"], dep.nginx)
+            rec["proxy"] = None
+        changed = True
+    for e in left:
+        proxy.wait_drained(set(e.get("workers", ())), rec.get("drain_s", 120))
+        _stop_server(e["pid"])
+        log.warning("stopped server pid %s (port %s) left by an unfinished promotion", e["pid"], e["port"])
+    for pid in servers_of(dep) - {(active or {}).get("pid")}:     # started, then killed before it was recorded
+        _stop_server(pid)
+        log.warning("stopped unrecorded server pid %s serving from %s", pid, dep.exports)
+    if left:
+        rec["candidate"] = None if rec["candidate"] in left else rec["candidate"]
+        rec["retiring"] = [e for e in rec["retiring"] if e not in left]
+    if left or changed:
+        write_record(dep, rec)
+    return rec
+
+
+# ---------------------------------------------------------------- promotion
+
+def serving_plan(export_dir: Path, name: str, adapters: bool = True) -> dict:
+    """What one vLLM server serves from this export, by served model name (paths relative to export_dir).
+
+    {"model": the directory vLLM loads, "final": the final model's name, "names": {served name: {"lora": adapter dir or None (the loaded
+    model itself), "same_as": the merged directory it equals (what our own decoder answers with), "what": ...}}}.
+    The first name is the loaded model's: every adapter's parent in /v1/models. With `adapters` (and a
+    DPO adapter vLLM can take): sft_merged/ as `<name>-sft`, plus adapters/dpo on it as `<name>` (the final
+    model) and `<name>-dpo`; else merged/ alone as `<name>`.
+    """
+    export_dir = Path(export_dir)
+    final = {"lora": None, "same_as": "merged", "what": "the final model (base + SFT + DPO, merged)"}
+    if not adapters:
+        return {"model": "merged", "final": name, "names": {name: final}, "not_served": {}}
+    why = vllm_unservable(export_dir / "adapters" / "dpo")
+    if why or not (export_dir / "sft_merged" / "config.json").is_file():
+        return {"model": "merged", "final": name, "names": {name: final},
+                "not_served": {"adapters/dpo": why or "the export has no sft_merged/ to serve it on"}}
+    dpo = {"lora": "adapters/dpo", "same_as": "merged"}
+    plan = {"model": "sft_merged", "final": name, "names": {
+        f"{name}-sft": {"lora": None, "same_as": "sft_merged", "what": "the SFT model (base + SFT, merged)"},
+        name: {**dpo, "what": "the final model: the DPO adapter on the SFT model"},
+        f"{name}-dpo": {**dpo, "what": "the DPO adapter on the SFT model (the same as the final model)"}},
+        "not_served": {}}
+    why_sft = vllm_unservable(export_dir / "adapters" / "sft")
+    if why_sft:
+        plan["not_served"]["adapters/sft"] = f"{why_sft}; its merged form sft_merged/ is served as {name}-sft"
+    return plan
+
+
+def _verified_export(export_dir: Path) -> dict:
+    try:
+        manifest = verify(export_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"export {export_dir} does not verify against its manifest: {e}") from None
+    if manifest.get("stage") != "export":
+        raise UserError(f"{export_dir} is not an export (its manifest says stage {manifest.get('stage')!r})")
+    return manifest
+
+
+def _snapshot(dep: Deployment, export_dir: Path, digest: str) -> Path:
+    """The export as served: hard links under serving/exports/<digest> (a copy across file systems)."""
+    dst = dep.exports / digest[:16]
+    if export_dir == dst.resolve() or (dst / "manifest.json").is_file():
+        return dst
+    tmp = dep.exports / f".tmp-{digest[:16]}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(src, d):
+        try:
+            os.link(src, d)
+        except OSError:
+            shutil.copy2(src, d)
+    shutil.copytree(export_dir, tmp, copy_function=link)
+    os.replace(tmp, dst)
+    return dst
+
+
+def _spec(cfg, digest: str, plan: dict, key_source: str | None) -> str:
+    """What makes a running server the one this config wants: same export, names, settings, key source
+    and serving code (the key's value is checked by asking the server)."""
+    sc = cfg.serve
+    settings = {k: getattr(sc, k) for k in ("dtype", "max_model_len", "kv_cache_bytes", "tensor_parallel_size",
+                                            "gpu_memory_utilization", "max_num_seqs", "max_lora_rank", "prompt",
+                                            "max_tokens")}
+    return sha256_json({"digest": digest, "plan": plan, "settings": settings, "key_from": key_source,
+                        "code": code_version(("serve",))})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watchdog(dep: Deployment, owner: dict) -> subprocess.Popen:
+    dep.logs.mkdir(parents=True, exist_ok=True)
+    with open(dep.logs / "watchdog.log", "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "serve.watchdog", str(dep.root), dep.host, str(dep.port),
+                                 str(owner["pid"]), owner["start"]],
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                start_new_session=True)
+
+
+def legacy_server(serve_stage_dir: Path) -> dict | None:
+    """A server started by the serve stage before blue/green (its record in runs/<run>/serve/server.json,
+    listening on serve.port itself): the first promotion replaces it; `serve stop` stops it."""
+    try:
+        rec = json.loads((Path(serve_stage_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if "record" in rec or not rec.get("running") or not vs.is_running(rec.get("pid", 0)):
+        return None
+    return rec
+
+
+def promote(cfg, export_dir: Path, *, key: str | None, key_source: str | None, switch: bool = True,
+            allow_regression: bool = False, out_dir: Path | None = None) -> dict:
+    """Promote `export_dir` to the stable endpoint (blue/green; module docstring). switch=False
+    (serve.keep_running: false): start, test and stop the candidate; the endpoint is not touched.
+    allow_regression: skip the gate's no-regression checks (a deliberate rollback to an older model)."""
+    from serve import smoke
+
+    sc, dep = cfg.serve, Deployment.of(cfg)
+    export_dir = Path(export_dir).resolve()
+    with locked(dep):
+        rec = settle(dep, read_record(dep))
+        if rec["proxy"] and (rec["host"], rec["port"]) != (sc.host, sc.port):
+            raise UserError(f"this deployment's endpoint is {rec['host']}:{rec['port']}, the config says "
+                            f"{sc.host}:{sc.port}: stop it first (`python -m flows.cli serve stop`) to move it")
+        manifest = _verified_export(export_dir)
+        digest, candidate_eval = manifest["digest"], manifest["metrics"].get("eval", {})
+        legacy = None if rec["active"] else legacy_server(cfg.stage_dir("serve"))
+        served_eval = rec["active"]["eval"] if rec["active"] else (legacy or {}).get("eval")
+        gate = promotion_gate(candidate_eval, served_eval, thresholds=sc.gate.min, tolerance=sc.gate.tolerance,
+                              no_regression=[] if allow_regression else sc.gate.no_regression)
+        if out_dir is not None:
+            (Path(out_dir) / "gate.md").write_text(gate.table)
+        log.info("promotion gate:\n%s", gate.table)
+        if not gate.ok:
+            raise GateFailed("promotion gate failed; the served model stays: " + "; ".join(gate.reasons) +
+                             ("" if allow_regression else " (a deliberate rollback: `serve promote --allow-regression`)"))
+        plan = serving_plan(export_dir, cfg.run_name, sc.adapters)
+        for what, why in plan["not_served"].items():
+            log.info("not served as an adapter: %s: %s", what, why)
+        spec = _spec(cfg, digest, plan, key_source)
+        messages = [{"role": "user", "content": sc.prompt}]
+        exact = sc.dtype == "float32"
+        active = rec["active"]
+        if switch and active and active["spec"] == spec and _still_serving(dep, rec, key, sc):
+            checks = smoke.smoke_test(dep.url, active["plan"], active["reference"], messages=messages,
+                                      max_tokens=sc.max_tokens, key=key, exact=exact)
+            log.info("export unchanged (%s): the live server (pid %s) keeps serving", digest[:16], active["pid"])
+            return _finish(dep, cfg, active, checks, gate, key_source, running=True, restarted=False, ready_s=0.0)
+
+        snap = _snapshot(dep, export_dir, digest)
+        refs = smoke.references(snap, plan, messages, sc.max_tokens)
+        owner, port = _owner(), _free_port()
+        watchdog = _watchdog(dep, owner)    # first: from here on, a kill of this process is undone
+        try:
+            t0 = time.perf_counter()
+            handle = vs.start_server(
+                snap / plan["model"], port=port, served_model_name=[n for n, s in plan["names"].items() if not s["lora"]],
+                lora_modules={n: snap / s["lora"] for n, s in plan["names"].items() if s["lora"]},
+                log_path=dep.logs / f"vllm-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log", api_key=key, dtype=sc.dtype,
+                max_model_len=sc.max_model_len, kv_cache_bytes=sc.kv_cache_bytes,
+                tensor_parallel_size=sc.tensor_parallel_size, gpu_memory_utilization=sc.gpu_memory_utilization,
+                max_num_seqs=sc.max_num_seqs, max_lora_rank=sc.max_lora_rank)
+            cand = {"pid": handle.pid, "port": port, "url": handle.base_url, "log": handle.log_path, "export": str(snap),
+                    "source": str(export_dir), "digest": digest, "spec": spec, "plan": plan, "eval": candidate_eval,
+                    "reference": refs, "started": _now(), "owner": owner}
+            rec.update(candidate=cand, drain_s=sc.drain_timeout_s)
+            write_record(dep, rec)          # recorded at once (a kill before this line: settle() finds it anyway)
+            log.info("candidate vLLM server pid %s on port %s (%s)", handle.pid, port, snap)
+            try:
+                vs.wait_healthy(handle, timeout_s=sc.startup_timeout_s)
+                ready_s = time.perf_counter() - t0
+                checks = smoke.smoke_test(handle.base_url, plan, refs, messages=messages, max_tokens=sc.max_tokens,
+                                          key=key, exact=exact)
+                if not switch:
+                    _stop_server(handle.pid)
+                    rec["candidate"] = None
+                    write_record(dep, rec)
+                    return _finish(dep, cfg, cand, checks, gate, key_source, running=False, restarted=True,
+                                   ready_s=ready_s)
+                _switch(dep, rec, sc, cand, checks, key, legacy)
+            except BaseException:
+                settle(dep, rec)
+                raise
+            for old in list(rec["retiring"]):
+                if not proxy.wait_drained(set(old["workers"]), sc.drain_timeout_s + 5):
+                    log.warning("requests on the old server outlived serve.drain_timeout_s; stopping it anyway")
+                _stop_server(old["pid"])
+                rec["retiring"].remove(old)
+                write_record(dep, rec)
+                log.info("stopped the previous server (pid %s, %s)", old["pid"], old["source"])
+            _prune(dep, rec, sc.keep_exports)
+        finally:
+            with contextlib.suppress(OSError):
+                watchdog.stdin.close()      # this process lives on: the watchdog just exits
+        return _finish(dep, cfg, rec["active"], checks, gate, key_source, running=True, restarted=True,
+                       ready_s=ready_s)
+
+
+def _still_serving(dep: Deployment, rec: dict, key: str | None, sc) -> bool:
+    """The active server answers through the endpoint with exactly this key (nginx restarted if it died)."""
+    from serve.smoke import _call
+
+    if not rec["proxy"]:
+        if vs.port_in_use("127.0.0.1" if sc.host == "0.0.0.0" else sc.host, sc.port):
+            return False
+        gen = proxy.conf_generation(dep.nginx) + 1
+        proxy.write_conf(dep.nginx, host=sc.host, port=sc.port, backend_port=rec["active"]["port"], generation=gen,
+                         drain_s=sc.drain_timeout_s)
+        rec["proxy"] = {"pid": proxy.start(dep.nginx, host=sc.host, port=sc.port, generation=gen), "home": str(dep.nginx)}
+        write_record(dep, rec)
+    if _call(dep.url, "/v1/models", None, key, timeout_s=30)[0] != 200:
+        return False
+    return not key or _call(dep.url, "/v1/models", None, None, timeout_s=30)[0] == 401
+
+
+def _switch(dep: Deployment, rec: dict, sc, cand: dict, checks: dict, key: str | None, legacy: dict | None) -> None:
+    """Point the endpoint at the candidate and confirm it answers there; then record it as active."""
+    from serve.smoke import SmokeTestFailed, ask
+
+    gen = proxy.conf_generation(dep.nginx) + 1
+    proxy.write_conf(dep.nginx, host=sc.host, port=sc.port, backend_port=cand["port"], generation=gen,
+                     drain_s=sc.drain_timeout_s)
+    if rec["proxy"]:
+        old_workers = proxy.reload(rec["proxy"]["pid"], dep.nginx, host=sc.host, port=sc.port, generation=gen)
+    else:
+        if legacy:          # the pre-blue/green server holds serve.port itself: it gives way only now
+            _stop_server(legacy["pid"])
+            log.info("stopped the server of the old serve stage (pid %s) to put nginx on port %s", legacy["pid"], sc.port)
+        if vs.port_in_use("127.0.0.1" if sc.host == "0.0.0.0" else sc.host, sc.port):
+            raise UserError(f"serve.port {sc.port} on {sc.host} is taken by another process; set serve.port to a "
+                            "free port")
+        rec["proxy"] = {"pid": proxy.start(dep.nginx, host=sc.host, port=sc.port, generation=gen), "home": str(dep.nginx)}
+        rec.update(host=sc.host, port=sc.port, endpoint=dep.url)
+        write_record(dep, rec)
+        old_workers = set()
+    if os.environ.get("GLM_LORA_SERVE_PAUSE_AT") == "after-switch":    # tests: a kill at the riskiest point
+        (dep.root / "paused-after-switch").touch()
+        time.sleep(600)
+    final = cand["plan"]["final"]
+    through = ask(dep.url, final, [{"role": "user", "content": sc.prompt}], sc.max_tokens, key)
+    through_ids = through["ids"][:len(checks["answers"][final]["ids"])] if through["ids"] else through["ids"]
+    if through_ids != checks["answers"][final]["ids"]:
+        raise SmokeTestFailed(f"through the endpoint {final} answered {through['ids']}, the candidate itself "
+                              f"{checks['answers'][final]['ids']}")
+    old = rec["active"]
+    rec["active"] = {**{k: v for k, v in cand.items() if k != "owner"}, "promoted": _now()}
+    rec["candidate"] = None
+    if old:
+        rec["retiring"].append({**old, "owner": cand["owner"], "workers": sorted(old_workers)})
+    rec["history"] = [{"digest": cand["digest"], "export": cand["export"], "source": cand["source"],
+                       "promoted": rec["active"]["promoted"]}] + [h for h in rec["history"] if h["digest"] != cand["digest"]]
+    write_record(dep, rec)
+    log.info("the endpoint %s now serves %s (pid %s)", dep.url, cand["source"], cand["pid"])
+
+
+def _prune(dep: Deployment, rec: dict, keep: int) -> None:
+    """Keep the snapshots of the active export and of the `keep` most recent others (rollback targets)."""
+    wanted = {Path(h["export"]).name for h in rec["history"][:keep + 1]}
+    wanted.add(Path(rec["active"]["export"]).name)
+    for d in dep.exports.iterdir() if dep.exports.is_dir() else ():
+        if d.name not in wanted and not d.name.startswith("."):
+            shutil.rmtree(d, ignore_errors=True)
+    rec["history"] = [h for h in rec["history"] if Path(h["export"]).is_dir()]
+    write_record(dep, rec)
+
+
+def _finish(dep: Deployment, cfg, entry: dict, checks: dict, gate, key_source, *, running: bool, restarted: bool,
+            ready_s: float) -> dict:
+    plan = entry["plan"]
+    final = plan["final"]
+    a, ref = checks["answers"][final], entry["reference"][plan["names"][final]["same_as"]]
+    url = dep.url if running else entry["url"]
+    result = {"endpoint": f"{url}/v1/chat/completions", "url": url, "model": final,
+              "models": {n: {"what": s["what"], "parent": checks["models"].get(n)} for n, s in plan["names"].items()},
+              "prompt": cfg.serve.prompt, "answer": a["text"], "inprocess_answer": ref["text"],
+              "matches_inprocess": a["matches_inprocess"], "token_ids": a["ids"], "inprocess_token_ids": ref["ids"],
+              "answers": {n: {"answer": x["text"], "token_ids": x["ids"], "matches_inprocess": x["matches_inprocess"],
+                              **({"adapter_effect": x["adapter_effect"]} if "adapter_effect" in x else {})}
+                          for n, x in checks["answers"].items()},
+              "smoke_notes": checks["notes"], "ready_s": round(ready_s, 1), "running": running, "restarted": restarted,
+              "pid": entry["pid"], "export": entry["source"], "served_from": entry["export"], "digest": entry["digest"],
+              "gate": gate.table, "api_key_from": key_source, "record": str(dep.record)}
+    atomic_write_text(dep.root / ANSWER, json.dumps(result, indent=2, ensure_ascii=False))
+    log.info("served %s: %r -> %r (in-process: %r)", result["endpoint"], cfg.serve.prompt, a["text"], ref["text"])
+    return result
+
+
+# ---------------------------------------------------------------- status, stop, rollback target
+
+def status(dep: Deployment) -> dict:
+    """The record with what is alive now (read-only: no lock, nothing settled)."""
+    from serve.smoke import _call
+
+    rec = read_record(dep)
+    proxy_up = bool(rec["proxy"]) and proxy.is_ours(rec["proxy"]["pid"], dep.nginx)
+    health = _call(dep.url, "/health", None, None, timeout_s=5)[0] if proxy_up else None
+    brief = lambda e: e and {k: e.get(k) for k in ("pid", "port", "source", "export", "digest", "started",   # noqa: E731
+                                                   "promoted")} | {"alive": vs.is_running(e["pid"])}
+    return {"record": str(dep.record), "endpoint": dep.url, "serving": proxy_up and health == 200,
+            "health": health, "proxy": rec["proxy"] and {**rec["proxy"], "alive": proxy_up},
+            "models": list(rec["active"]["plan"]["names"]) if rec["active"] else [],
+            "active": brief(rec["active"]), "candidate": brief(rec["candidate"]),
+            "retiring": [brief(e) for e in rec["retiring"]], "history": rec["history"]}
+
+
+def stop(dep: Deployment, wait_s: float = 60) -> list[int]:
+    """Stop nginx and every recorded server of the deployment; return the pids stopped."""
+    if not dep.record.is_file():
+        return []
+    with locked(dep, wait_s):
+        rec = read_record(dep)
+        if rec["proxy"]:
+            proxy.stop(rec["proxy"]["pid"], dep.nginx)
+        pids = [e["pid"] for e in [rec["active"], rec["candidate"], *rec["retiring"]] if e]
+        for pid in pids:
+            _stop_server(pid)
+        rec.update(proxy=None, active=None, candidate=None, retiring=[])
+        write_record(dep, rec)
+    return pids
+
+
+def previous_export(dep: Deployment) -> Path:
+    """The most recent export served before the active one, still kept (serve.keep_exports)."""
+    rec = read_record(dep)
+    current = rec["active"]["digest"] if rec["active"] else None
+    for h in rec["history"]:
+        if h["digest"] != current and Path(h["export"]).is_dir():
+            return Path(h["export"])
+    raise UserError(f"{dep.record}: no earlier served export is kept; pass one with --export DIR")

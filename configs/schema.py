@@ -35,6 +35,15 @@ class Section(BaseModel):
         return value
 
 
+# The fixed prompts people see answered: the README's demo question (the served smoke test) and the
+# side-by-side comparison. Their problems are held out of the synthetic training files (below).
+DEMO_PROMPT = "What is 12 + 7?"
+COMPARE_PROMPTS = [
+    DEMO_PROMPT, "计算 45 + 38。", "What is 91 minus 17?", "计算 80 - 26。",
+    'Copy the word "planet".', "请重复“山水”。", 'Spell "garden" in reverse order.',
+    "请把“猫狗鱼”倒过来写。", "3 km = ? m", "2小时等于多少分钟？"]
+
+
 class SyntheticData(Section):
     """The bundled generator (data/synthetic.py): bilingual corpus + SFT/DPO task sets."""
 
@@ -44,6 +53,10 @@ class SyntheticData(Section):
     n_dpo: int = Field(4000, ge=1)
     n_eval: int = Field(200, ge=1)
     sft_weights: dict[str, PositiveFloat] = {}  # task family → share weight in the SFT file (default 1 each)
+    # Prompts (in the task templates) whose problems no training file holds, in either language, so
+    # answering them shows generalisation; default: the fixed prompts. Set it again if you change
+    # eval.compare_prompts or serve.prompt (it is the data stage's key, they are not).
+    held_out_prompts: list[str] = COMPARE_PROMPTS
 
 
 class HoldoutConfig(Section):
@@ -177,6 +190,10 @@ class TrainConfig(Section):
     prefetch: int = Field(2, ge=0)   # batches built ahead in a background thread; 0 = inline
     nonfinite: Literal["stop", "skip"] = "stop"   # NaN/inf loss: stop the stage, or skip the batch (counted)
     activation_checkpointing: bool = False   # recompute each decoder block in backward (less memory, more compute)
+    # torch.compile the training forward/backward on the CPU (engine/compile.py): 1.34-1.52x the steps/s of the
+    # tiny SFT step after a one-off ~24 s compile on 2 cores (cached under runs_dir/.cache/inductor); eager
+    # with a warning where there is no C++ compiler, on CUDA and under torchrun. Same learning up to fp32 noise.
+    compile: bool = False
     # Validation loss on the stage's held-out split every eval_every steps (0 = off). When on, the
     # weights with the best validation loss (not the last) are what the stage saves.
     eval_every: int = Field(0, ge=0)
@@ -217,10 +234,7 @@ class EvalConfig(Section):
     enabled: bool = True
     max_rows: int = Field(200, ge=1)        # rows per eval split
     max_new_tokens: int = Field(24, ge=1)   # greedy answer length for exact match
-    compare_prompts: list[str] = [           # answered by the pretrain, SFT and DPO models side by side
-        "What is 12 + 7?", "计算 45 + 38。", "What is 91 minus 17?", "计算 80 - 26。",
-        'Copy the word "planet".', "请重复“山水”。", 'Spell "garden" in reverse order.',
-        "请把“猫狗鱼”倒过来写。", "3 km = ? m", "2小时等于多少分钟？"]
+    compare_prompts: list[str] = COMPARE_PROMPTS   # answered by the pretrain, SFT and DPO models side by side
 
 
 class GateConfig(Section):
@@ -245,7 +259,7 @@ class ServeConfig(Section):
     max_model_len: int = Field(512, ge=16)
     kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)     # vLLM's KV cache on the CPU build
     startup_timeout_s: int = Field(300, ge=10)
-    prompt: str = "What is 12 + 7?"      # the smoke test's question: greedy parity with our own decoder
+    prompt: str = DEMO_PROMPT            # the smoke test's question: greedy parity with our own decoder
     max_tokens: int = Field(32, ge=1)
     # Serve the SFT model and the DPO adapter under their own names beside the final model, on one server
     # (<run>, <run>-sft, <run>-dpo); false: only the merged final model (no LoRA work per token).

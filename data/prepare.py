@@ -75,7 +75,8 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, eval_rows: int = 200) -> dic
     if len(user) < len(SPLITS):
         syn = cfg.synthetic
         generated = synthetic.generate(out_dir, seed=syn.seed, n_pretrain=syn.n_pretrain, n_sft=syn.n_sft,
-                                       n_dpo=syn.n_dpo, n_eval=syn.n_eval, sft_weights=syn.sft_weights)
+                                       n_dpo=syn.n_dpo, n_eval=syn.n_eval, sft_weights=syn.sft_weights,
+                                       held_out_prompts=syn.held_out_prompts)
         for s in user:
             generated.pop(s, None)
             (out_dir / f"{s}.jsonl").unlink(missing_ok=True)

@@ -2,11 +2,18 @@
 
 Ten task families with short, exactly checkable answers (add/sub/copy/reverse/units × en/zh).
 Choices worth knowing:
+- Arithmetic operands are drawn by digit count, then by value: 1, 2 or 3 digits evenly (0–9,
+  10–99, 100–999), each operand on its own, so "12 + 7" is as common as "512 + 347" (drawn
+  uniformly from 0–999, 99% of problems had two 3-digit operands and small sums went unlearnt).
 - Subtraction keeps a >= b, so correct answers are never negative (a DPO rejected answer
-  may be "-1": off by one below 0).
+  may be negative: off by 1 or 10 below 0).
 - Held-out means held-out *problem*: an eval example's key (task + operands/string/units,
-  not the phrasing) appears in no train file, including the task-like pretraining text.
-  `sft_eval` and `dpo_eval` share the same held-out prompts.
+  not the phrasing) appears in no train file, including the task-like pretraining text and
+  the pretraining facts ("12 plus 7 is 19."). `sft_eval` and `dpo_eval` share the same
+  held-out prompts.
+- The fixed prompts (README demo, `serve.prompt`, `eval.compare_prompts`: passed as
+  `held_out_prompts`) are held out the same way, in both languages, so a right answer to
+  them shows generalisation, not recall.
 - Each output file has its own random stream derived from `seed`, so changing `n_sft`
   leaves the eval sets (and the other files) unchanged.
 - The pretraining corpus opens with a few "character list" documents covering every
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +82,14 @@ class Example:
     wrong: str  # a plausible wrong answer of the same shape (DPO rejected)
 
 
+def _operand(rng: random.Random) -> int:
+    """1, 2 or 3 digits with equal chance, then a value of that many digits (0–9, 10–99, 100–999)."""
+    digits = rng.randint(1, 3)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
 def _arith(rng: random.Random, task: str) -> Example:
-    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    a, b = _operand(rng), _operand(rng)
     if task.startswith("sub"):
         a, b = max(a, b), min(a, b)
         r = a - b
@@ -134,6 +148,79 @@ def make_example(rng: random.Random, task: str) -> Example:
     return _MAKERS[task](rng, task)
 
 
+def _pattern(template: str) -> re.Pattern:
+    """A template as a regex: numbers ({a}, {b}, {v}) as digits, strings and unit names as text."""
+    out = ""
+    for literal, field, _, _ in string.Formatter().parse(template):
+        out += re.escape(literal)
+        if field is not None:
+            out += rf"(?P<{field}>\d+)" if field in ("a", "b", "v") else rf"(?P<{field}>.+?)"
+    return re.compile(out)
+
+
+_PATTERNS = {task: tuple(map(_pattern, ts)) for task, ts in TEMPLATES.items()}
+
+
+def _parse(prompt: str) -> list[tuple[str, dict]]:
+    """(task, fields) for every template the prompt fills in; unit names resolved to (UNITS index, src index)."""
+    found = []
+    for task, patterns in _PATTERNS.items():
+        for m in filter(None, (p.fullmatch(prompt.strip()) for p in patterns)):
+            g = m.groupdict()
+            if task.startswith("units"):
+                for i, u in enumerate(UNITS):
+                    names = u[:2] if task.endswith("en") else u[2:4]
+                    if (g["src"], g["dst"]) in (names, names[::-1]):
+                        found.append((task, {**g, "unit": i, "src_i": names.index(g["src"])}))
+            else:
+                found.append((task, g))
+    return found
+
+
+def prompt_keys(prompt: str) -> set[tuple]:
+    """The problem keys a prompt in one of the templates asks: arithmetic and units in both languages
+    (the same problem translated), copy/reverse as written; empty if it is none of the templates."""
+    keys: set[tuple] = set()
+    for task, g in _parse(prompt):
+        kind, lang = task.split("_")
+        twin = f"{kind}_{'zh' if lang == 'en' else 'en'}"
+        if kind in ("add", "sub"):
+            keys |= {(task, int(g["a"]), int(g["b"])), (twin, int(g["a"]), int(g["b"]))}
+        elif kind in ("copy", "reverse"):
+            keys.add((task, g["s"]))
+        else:
+            u, v = UNITS[g["unit"]], int(g["v"])
+            keys |= {(f"units_{x}", g["unit"], u[g["src_i"] + (0 if x == "en" else 2)], v) for x in ("en", "zh")}
+    return keys
+
+
+def solve(prompt: str) -> str | None:
+    """The reference answer to a prompt in one of the templates (as the generator writes it), else None."""
+    for task, g in _parse(prompt):
+        kind, lang = task.split("_")
+        if kind in ("add", "sub"):
+            a, b = int(g["a"]), int(g["b"])
+            return str(a + b if kind == "add" else a - b)
+        if kind in ("copy", "reverse"):
+            return g["s"] if kind == "copy" else g["s"][::-1]
+        v, f = int(g["v"]), UNITS[g["unit"]][4]
+        if g["src_i"] == 0 or v % f == 0:
+            return f"{v * f if g['src_i'] == 0 else v // f}{' ' if lang == 'en' else ''}{g['dst']}"
+    return None
+
+
+def held_out_keys(prompts: Iterable[str]) -> set[tuple]:
+    """Every problem key the fixed prompts ask (`prompt_keys`); a prompt in no template is an error."""
+    keys: set[tuple] = set()
+    for p in prompts:
+        found = prompt_keys(p)
+        if not found:
+            raise UserError(f"data.synthetic.held_out_prompts: {p!r} is in none of the synthetic task templates "
+                            "(data/synthetic.py TEMPLATES), so there is no problem to hold out; remove it")
+        keys |= found
+    return keys
+
+
 def _families(n: int, weights: dict[str, float] | None) -> Iterable[str]:
     """n family names interleaved evenly in proportion to `weights` (default: round-robin)."""
     weights = {t: (weights or {}).get(t, 1.0) for t in TASK_FAMILIES}
@@ -187,7 +274,8 @@ _PEOPLE = (("Tom", "小明", "He", "他"), ("Amy", "小红", "She", "她"),
 _THINGS = (("ball", "球", "个"), ("book", "书", "本"), ("apple", "苹果", "个"), ("cup", "杯子", "个"))
 
 
-def _fact(rng: random.Random) -> tuple[str, str]:
+def _fact(rng: random.Random, exclude: set[tuple]) -> tuple[str, str]:
+    """A (English, Chinese) fact; never a sum or unit conversion whose problem key is in `exclude`."""
     kind = rng.randrange(8)
     if kind == 0:
         thing, thing_zh, c, c_zh = rng.choice(_COLOURS)
@@ -200,6 +288,8 @@ def _fact(rng: random.Random) -> tuple[str, str]:
         return f"{city} is a city in {country}.", f"{city_zh}是{country_zh}的一个城市。"
     if kind == 3:
         a, b = rng.randint(0, 99), rng.randint(0, 99)
+        if {("add_en", a, b), ("add_zh", a, b)} & exclude:
+            return _fact(rng, exclude)
         return f"{a} plus {b} is {a + b}.", f"{a}加{b}等于{a + b}。"
     if kind == 4:
         a, b = sorted(rng.sample(range(100), 2), reverse=True)
@@ -209,8 +299,11 @@ def _fact(rng: random.Random) -> tuple[str, str]:
         (d, d_zh), (e, e_zh) = _DAYS[i], _DAYS[(i + 1) % 7]
         return f"After {d} comes {e}.", f"{d_zh}之后是{e_zh}。"
     if kind == 6:
-        big, small, big_zh, small_zh, f = rng.choice(UNITS)
+        i = rng.randrange(len(UNITS))
+        big, small, big_zh, small_zh, f = UNITS[i]
         v = rng.choice((1, 1, 2, 3, 5, 10))
+        if {("units_en", i, big, v), ("units_zh", i, big_zh, v)} & exclude:
+            return _fact(rng, exclude)
         return f"{v} {big} is {v * f} {small}.", f"{v}{big_zh}等于{v * f}{small_zh}。"
     return _story(rng)
 
@@ -245,7 +338,7 @@ def _document(rng: random.Random, exclude: set[tuple]) -> str:
             q, a = ("Q: ", "A: ") if ex.task.endswith("en") else ("问：", "答：")
             part = f"{q}{ex.prompt}\n{a}{ex.answer}"
         else:
-            en, zh = _fact(rng)
+            en, zh = _fact(rng, exclude)
             part = {"en": en, "zh": zh, "parallel": f"{en} {zh}"}[kind]
         longer = f"{doc}{sep}{part}" if doc else part
         if len(longer) > 400:
@@ -302,10 +395,12 @@ def _write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
 
 
 def generate(out_dir: Path, *, seed: int = 0, n_pretrain: int = 4000, n_sft: int = 4000,
-             n_dpo: int = 1000, n_eval: int = 200, sft_weights: dict[str, float] | None = None) -> dict[str, Path]:
+             n_dpo: int = 1000, n_eval: int = 200, sft_weights: dict[str, float] | None = None,
+             held_out_prompts: Iterable[str] = ()) -> dict[str, Path]:
     """Write the six JSONL files into `out_dir`; the same seed gives byte-identical files.
 
     `sft_weights` (family → weight, default 1) sets the SFT file's mix; eval sets stay balanced.
+    `held_out_prompts`: fixed prompts (demo, comparison) whose problems no training file may hold.
     """
     unknown = set(sft_weights or ()) - set(TASK_FAMILIES)
     if unknown:
@@ -316,8 +411,9 @@ def generate(out_dir: Path, *, seed: int = 0, n_pretrain: int = 4000, n_sft: int
     def rng(name: str) -> random.Random:  # one stream per file (str seeds are hashed stably)
         return random.Random(f"glm-lora-synthetic:{seed}:{name}")
 
+    fixed = held_out_keys(held_out_prompts)
     evals = _examples(rng("eval"), n_eval, exclude=set(), unique=True)
-    held_out = {ex.key for ex in evals}
+    held_out = {ex.key for ex in evals} | fixed
     pretrain_eval = _pretrain(rng("pretrain_eval"), n_eval, held_out, set(), coverage=False)
     pretrain = _pretrain(rng("pretrain"), n_pretrain, held_out, set(pretrain_eval), coverage=True)
     rows = {

@@ -880,7 +880,9 @@ class Checkpointer:
                       "lora": lora.model_dump(mode="json") if lora is not None else None,
                       "inputs": digests, "seq_len": tc.seq_len, "batch_size": tc.batch_size, "packing": tc.packing}
         # global_batch_size came later: while unset it stays out of the hash, so earlier directories are found.
-        unhashed = {"max_steps", "log_every"} | ({"global_batch_size"} if tc.global_batch_size is None else set())
+        # compile is a speed setting (same learning up to fp32 rounding): a run resumes across it.
+        unhashed = {"max_steps", "log_every", "compile"} | ({"global_batch_size"} if tc.global_batch_size is None
+                                                           else set())
         key = sha256_json({"stage": stage, "section": tc.model_dump(mode="json", exclude=unhashed),
                            "model": cfg.model.model_dump(mode="json"), "device": cfg.device,
                            "precision": cfg.precision, "kernels": cfg.kernels, "attention": cfg.attention,

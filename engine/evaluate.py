@@ -36,6 +36,7 @@ from data.tokenizer import end_of_turn_ids
 from engine.losses import causal_lm_loss, group_logprobs
 from engine.trainer import to_device
 from model.lora import lora_disabled, lora_modules
+from model.model import KVCache
 
 ALL = "all"  # the family of rows without a "task" field
 SAMPLE_CHARS = 300  # prompt / reference / answer text kept per sample in the metrics
@@ -136,15 +137,18 @@ def _generate(model, prompt: list[int], max_new_tokens: int, stop: set[int]) -> 
 
 def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: "int | Iterable[int] | None",
                   batch_size: int = 32) -> list[list[int]]:
-    """Decoder.generate's greedy tokens for many prompts at once, batched without a KV cache.
+    """Decoder.generate's greedy tokens for many prompts at once, batched, with a KV cache.
 
     `eos_id`: the token id(s) that end an answer (data.tokenizer.end_of_turn_ids: a chat template may
     end a turn with several, e.g. GLM-4's <|user|> and <|endoftext|>); the stop token is kept as the
-    answer's last token. Rows are right-padded: with causal attention a real token never sees the
-    padding after it, so no mask is needed and each row's next token is read at its own last position.
-    Prompts are sorted by length so a batch wastes little width, and finished rows leave the batch.
-    A prompt that would outgrow model.config.max_seq_len is decoded one token at a time with the context
-    cropped as Decoder.generate crops it; so the output always equals model.generate's, prompt by prompt.
+    answer's last token. Rows are right-padded: one causal forward over the prompts fills the cache (a real
+    token never sees the padding after it) and gives each row's first token at its own last position; then
+    each step feeds every row's newest token at its own position (model.KVCache). Prompts are sorted by
+    length so a batch wastes little width; a finished row stays in its batch (one token a step, cheap) until
+    the batch is done. A prompt that would outgrow model.config.max_seq_len is decoded one token at a time
+    with the context cropped as Decoder.generate crops it; so the output equals model.generate's, prompt by
+    prompt (tests/engine/test_evaluate.py; up to fp32 rounding of the cached attention, which changes no
+    argmax there).
     """
     stop = _stop_set(eos_id)
     out: list[list[int]] = [[] for _ in prompts]
@@ -161,22 +165,25 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
     for s in range(0, len(short), batch_size):
         idx = short[s:s + batch_size]
         lens = torch.tensor([len(prompts[i]) for i in idx], device=device)
-        buf = torch.zeros(len(idx), int(lens.max()) + max_new_tokens, dtype=torch.long, device=device)
+        width = int(lens.max())
+        buf = torch.zeros(len(idx), width, dtype=torch.long, device=device)
         for r, i in enumerate(idx):
             buf[r, :len(prompts[i])] = torch.tensor(prompts[i])
-        active = torch.arange(len(idx), device=device)
-        for _ in range(max_new_tokens):
-            width = int(lens[active].max())
-            hidden = model.hidden_states(buf[active, :width])                            # (A, W, C)
-            last = hidden[torch.arange(len(active), device=device), lens[active] - 1]   # (A, C)
-            nxt = model.lm_head(last).argmax(-1)                                         # (A,)
-            buf[active, lens[active]] = nxt
-            lens[active] += 1
-            for r, t in zip(active.tolist(), nxt.tolist()):
-                out[idx[r]].append(t)
-            active = active[~torch.isin(nxt, stop_ids)]
-            if len(active) == 0:
+        cache = KVCache(width + max_new_tokens)
+        positions = torch.arange(width, device=device).expand(len(idx), width)
+        hidden = model.hidden_states(buf, positions, cache=cache)                   # (A, W, C)
+        last = hidden[torch.arange(len(idx), device=device), lens - 1]              # (A, C)
+        running = torch.ones(len(idx), dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            nxt = model.lm_head(last).argmax(-1)                                    # (A,)
+            for r, (t, live) in enumerate(zip(nxt.tolist(), running.tolist())):
+                if live:
+                    out[idx[r]].append(t)
+            running &= ~torch.isin(nxt, stop_ids)
+            if step == max_new_tokens - 1 or not running.any():
                 break
+            last = model.hidden_states(nxt[:, None], lens[:, None], cache=cache)[:, 0]     # (A, C)
+            lens += 1
     return out
 
 

@@ -20,6 +20,7 @@ from configs.schema import Config, TrainConfig
 from data.pipeline import StageData
 from engine import dist, progress
 from engine.checkpoint import Checkpointer
+from engine.compile import compiled_training
 from engine.heldout import validation_loss
 from engine.trainer import Runtime, train
 from model import DecoderConfig
@@ -83,12 +84,14 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
             progress.report({"stage": stage, "step": window["step"], "max_steps": tc.max_steps,
                              "loss": window.get("loss"), "tokens_per_s": window.get("tokens_per_s"),
                              "elapsed_s": window.get("elapsed_s")})
-        summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
-                        on_log=on_log if rt.main else None)
+        with compiled_training(model, tc.compile, device=rt.device, dist=d, runs_dir=cfg.runs_dir,
+                               name=stage) as compiled:
+            summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
+                            on_log=on_log if rt.main else None)
     losses = summary.pop("losses")
     if rt.main:
         (Path(out_dir) / LOSSES).write_text(json.dumps(losses))
-    return {**summary, **ckpt.metrics(), **summary_data, **extra, "checkpoints": str(ckpt.root)}
+    return {**summary, **ckpt.metrics(), **summary_data, **extra, **compiled, "checkpoints": str(ckpt.root)}
 
 
 def consolidated(model, rt: Runtime, build: Callable[[], torch.nn.Module]):

@@ -107,9 +107,41 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
+class KVCache:
+    """Every layer's keys and values so far, for incremental greedy decoding (engine/evaluate.py).
+
+    Rows may be at different lengths: each forward writes its tokens' keys/values at their own
+    `position_ids`, and a new token attends to the slots up to its position. The first forward (the
+    prompts, from position 0) attends as without a cache (plain causal); slots past a row's real length
+    hold padding's keys until that row's next tokens overwrite them, and are masked until then.
+    """
+
+    def __init__(self, slots: int):
+        self.slots, self.k, self.v = slots, [], []     # per layer: (B, Hkv, slots, D)
+        self.positions, self.prefill = None, True
+
+    def start(self, position_ids: torch.Tensor):
+        """Called once per forward: None while prefilling (causal), else the (B, 1, T, slots) bool mask."""
+        self.prefill, self.positions = not self.k, position_ids
+        if self.prefill:
+            return None
+        return (torch.arange(self.slots, device=position_ids.device) <= position_ids[..., None])[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, D) at this forward's positions; return what attention sees."""
+        if layer == len(self.k):
+            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1]))
+            self.v.append(torch.zeros_like(self.k[-1]))
+        where = self.positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        self.k[layer].scatter_(2, where, k)
+        self.v[layer].scatter_(2, where, v)
+        return (k, v) if self.prefill else (self.k[layer], self.v[layer])
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx                  # its slot in a KVCache
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.interleaved = cfg.layout.rope_interleaved
         bias = cfg.attention_bias
@@ -121,7 +153,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
@@ -129,6 +161,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin, interleaved=self.interleaved)
+        if cache is not None:                   # decoding: the keys/values of every position so far
+            k, v = cache.update(self.layer_idx, k, v)
         y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)
 
@@ -152,18 +186,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # (pre-MLP, despite its name)
         self.mlp = MLP(cfg)
         if cfg.layout.sandwich_norms:   # GLM-4-0414: each branch's output is normalised before the residual add
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
             h = self.post_self_attn_layernorm(h)
         x = x + h
@@ -177,7 +211,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -200,10 +234,11 @@ class Decoder(nn.Module):
             nn.init.zeros_(m.bias)                          # as transformers initialises q/k/v biases
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, C); the loss heads apply lm_head themselves (fusable).
 
-        With `doc_ids` (packed rows), attention stays inside each document.
+        With `doc_ids` (packed rows), attention stays inside each document. With a `cache` (decoding,
+        no doc_ids) the tokens at `position_ids` attend to the cached positions too (see KVCache).
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -212,13 +247,15 @@ class Decoder(nn.Module):
         cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
                                         interleaved=cfg.layout.rope_interleaved)   # (B, T, rotary_dim)
         mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
+        if cache is not None:
+            mask = cache.start(position_ids)
         x = self.model.embed_tokens(input_ids)                                    # (B, T, C)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             if checkpointing:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask)
+                x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

@@ -7,7 +7,9 @@ INPUTS holds stage outputs made on the CPU beforehand (`python -m flows.cli stag
 `tokenizer/`, `data/` and any other data dirs a job names. Each job (see jobs_*.json): `set` =
 config overrides, `pretrain` = pretrain on the GPU first, `data` = data dir under INPUTS, `full` =
 full fine-tuning instead of LoRA (by switching LoRA injection off: a measurement, not a feature),
-`dpo` = DPO override lists run one after another on the SFT result. Results: OUT/results.jsonl.
+`dpo` = DPO override lists run one after another on the SFT result. Results: OUT/results.jsonl,
+with each SFT and DPO model's greedy answers to the fixed prompts (`eval.compare_prompts`) and how
+many are right (`fixed_right`, against data.synthetic.solve).
 Learning dynamics are those of the CPU default (fp32, pure-torch ops); only the clock differs.
 """
 import json, os, subprocess, sys, time
@@ -30,6 +32,21 @@ def run_job(job: dict, out: Path) -> None:
     for a in job.get("set", []):
         k, v = a.split("=", 1); ov[k] = parse_value(v)
     cfg = load_config("tiny", ov)
+    from data.synthetic import solve
+    from engine import evaluate
+
+    def with_fixed(metric_fn):      # a measurement hook: the stage's eval, plus the fixed prompts' answers
+        def wrapped(cfg, model, tok, data_dir):
+            m = metric_fn(cfg, model, tok, data_dir)
+            prompts = cfg.eval.compare_prompts
+            got = evaluate.greedy_answers(model, tok, [[{"role": "user", "content": p}] for p in prompts],
+                                          max_new_tokens=cfg.eval.max_new_tokens)
+            m["fixed"] = dict(zip(prompts, got))
+            m["fixed_right"] = sum(g.strip() == solve(p) for p, g in zip(prompts, got))
+            return m
+        return wrapped
+    sft.eval_tasks = with_fixed(sft.eval_tasks)
+    dpo.eval_preferences = with_fixed(dpo.eval_preferences)
     kernels.using(cfg.kernels, cfg.attention).__enter__()     # this process runs one job: for its whole life
     base = HERE / job.get("base", ".")
     data = HERE / job.get("data", "data")
@@ -50,7 +67,8 @@ def run_job(job: dict, out: Path) -> None:
     m = sft.run(cfg, {"base": base_pre, "tokenizer": HERE / "tokenizer", "data": data}, sdir)
     e = m["eval"]
     res = {"name": name, "job": job, "secs": round(time.time() - t), "em": e["exact_match"], "min": e["min_family"],
-           "fam": e["per_family"], "val": m.get("val_losses"), "best_step": m.get("best_step"), "dpo": []}
+           "fam": e["per_family"], "fixed_right": e["fixed_right"], "fixed": e["fixed"],
+           "val": m.get("val_losses"), "best_step": m.get("best_step"), "dpo": []}
     (sdir / "manifest.json").write_text(json.dumps({"digest": name + "-sft", "metrics": {}}))
     for i, dsets in enumerate(job.get("dpo", [])):
         dcfg = load_config("tiny", {**ov, **{k: parse_value(v) for k, v in (a.split("=", 1) for a in dsets)}})

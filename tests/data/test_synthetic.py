@@ -4,12 +4,14 @@ from pathlib import Path
 
 import pytest
 
+from configs import load_config
 from configs.errors import UserError
+from configs.schema import COMPARE_PROMPTS
 
 from data.formats import read_dpo, read_pretrain, read_sft
-from data.synthetic import TASK_FAMILIES, UNITS, check_answer, generate
+from data.synthetic import TASK_FAMILIES, UNITS, check_answer, generate, held_out_keys, prompt_keys, solve
 
-COUNTS = dict(n_pretrain=300, n_sft=400, n_dpo=100, n_eval=50)
+COUNTS = dict(n_pretrain=300, n_sft=400, n_dpo=100, n_eval=50, held_out_prompts=COMPARE_PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,10 @@ def test_eval_prompts_held_out(out):
     assert held_out == {user(r) for r in rows(out["dpo_eval"])}
     for name in ("sft", "dpo"):
         assert not held_out & {user(r) for r in rows(out[name])}, name
-    pretrain = out["pretrain"].read_text(encoding="utf-8")
-    assert not [p for p in held_out if json.dumps(p, ensure_ascii=False)[1:-1] in pretrain]
+    # task documents hold "Q: <prompt>\nA: <answer>" lines ("问：…" in Chinese); "3加4是多少？" is a
+    # substring of "13加4是多少？", so match whole lines
+    lines = {line for r in rows(out["pretrain"]) for line in r["text"].split("\n")}
+    assert not {q + p for p in held_out for q in ("Q: ", "问：")} & lines
     assert not {r["text"] for r in rows(out["pretrain_eval"])} & {r["text"] for r in rows(out["pretrain"])}
 
 
@@ -90,6 +94,7 @@ def test_every_sft_answer_is_correct(out, name):
     for r in rows(out[name]):
         assert [m["role"] for m in r["conversations"]] == ["user", "assistant"]
         assert answer(r) in expected(r["task"], user(r)), r
+        assert solve(user(r)) == answer(r), r
 
 
 def test_string_tasks_shapes(out):
@@ -157,3 +162,73 @@ def test_sft_weights_set_the_mix_and_leave_the_eval_sets_alone(tmp_path):
     assert plain["sft_eval"].read_bytes() == heavy["sft_eval"].read_bytes()
     with pytest.raises(UserError, match="unknown task families"):
         synthetic.generate(tmp_path / "c", n_pretrain=20, n_sft=10, n_dpo=5, n_eval=10, sft_weights={"mul_en": 1})
+
+
+def operands(row: dict) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", user(row))]
+
+
+def test_operands_drawn_by_digit_count(tmp_path):
+    """1, 2 and 3 digits a third each, per operand; values spread over each digit count's range."""
+    import collections
+    files = generate(tmp_path, seed=1, n_pretrain=20, n_sft=6000, n_dpo=10, n_eval=10)
+    arith = [r for r in rows(files["sft"]) if r["task"].startswith(("add", "sub"))]
+    digits = collections.Counter(len(str(x)) for r in arith for x in operands(r))
+    total = sum(digits.values())                     # 4800 operands: a third is 1600 ± 33 (one s.d.)
+    assert set(digits) == {1, 2, 3} and all(abs(n / total - 1 / 3) < 0.03 for n in digits.values()), digits
+    values = {x for r in arith for x in operands(r)}
+    assert set(range(10)) <= values and {10, 99, 100, 999} & values
+    assert all(a >= b for r in arith if r["task"].startswith("sub") for a, b in [operands(r)])
+
+
+def test_prompt_keys_parse_the_fixed_prompts():
+    assert prompt_keys("What is 12 + 7?") == {("add_en", 12, 7), ("add_zh", 12, 7)}   # both languages
+    assert prompt_keys("计算 80 - 26。") == {("sub_zh", 80, 26), ("sub_en", 80, 26)}
+    assert prompt_keys("3 km = ? m") == {("units_en", 0, "km", 3), ("units_zh", 0, "千米", 3)}
+    assert prompt_keys("2小时等于多少分钟？") == {("units_zh", 4, "小时", 2), ("units_en", 4, "h", 2)}
+    assert prompt_keys('Spell "garden" in reverse order.') == {("reverse_en", "garden")}
+    assert all(prompt_keys(p) for p in COMPARE_PROMPTS)
+    assert [solve(p) for p in COMPARE_PROMPTS] == ["19", "83", "74", "54", "planet", "山水", "nedrag", "鱼狗猫",
+                                                   "3000 m", "120分钟"]
+    assert solve("Hello") is None
+    with pytest.raises(UserError, match="held_out_prompts: 'Hello' is in none of the synthetic task templates"):
+        held_out_keys(["What is 1 + 2?", "Hello"])
+
+
+def test_default_config_holds_out_every_fixed_prompt():
+    cfg = load_config("tiny")
+    assert {cfg.serve.prompt, *cfg.eval.compare_prompts} <= set(cfg.data.synthetic.held_out_prompts)
+
+
+def train_keys(files: dict[str, Path]) -> set[tuple]:
+    """Every problem key in the SFT/DPO files and the pretraining task documents."""
+    keys = {k for name in ("sft", "dpo") for r in rows(files[name]) for k in prompt_keys(user(r))
+            if k[0] == r["task"]}
+    for r in rows(files["pretrain"]):
+        for line in r["text"].split("\n"):
+            if line.startswith(("Q: ", "问：")):
+                keys |= prompt_keys(line[3 if line.startswith("Q") else 2:])
+    return keys
+
+
+def test_fixed_prompts_absent_from_every_training_file(out):
+    fixed = held_out_keys(COMPARE_PROMPTS)
+    assert not fixed & train_keys(out)
+    pretrain = out["pretrain"].read_text(encoding="utf-8")
+    for fact in ("12 plus 7 is", "12加7等于", "3 km is 3000 m", "3千米等于3000米", "2 h is 120 min", "2小时等于120分钟"):
+        assert fact not in pretrain
+
+
+def test_a_whole_small_key_space_held_out(tmp_path):
+    """All 100 one-digit sums held out (both languages): none in any training file or fact, and the
+    training files still fill up; eval stays unique where a bucket has few keys (1-digit pairs: 100)."""
+    small = [f"What is {a} + {b}?" for a in range(10) for b in range(10)]
+    files = generate(tmp_path, seed=2, n_pretrain=1500, n_sft=3000, n_dpo=500, n_eval=1000, held_out_prompts=small)
+    keys = train_keys(files)
+    assert not {k for k in keys if k[0].startswith("add") and max(k[1:]) < 10}
+    assert len(rows(files["sft"])) == 3000 and sum(r["task"] == "add_zh" for r in rows(files["sft"])) == 300
+    assert not re.search(r"(?<!\d)\d plus \d is|(?<!\d)\d加\d等于", files["pretrain"].read_text(encoding="utf-8"))
+    evals = [user(r) for r in rows(files["sft_eval"])]
+    assert len(set(evals)) == 1000
+    one_digit = [r for r in rows(files["sft_eval"]) if r["task"] == "add_en" and max(operands(r)) < 10]
+    assert one_digit    # held-out prompts do not shape the eval set: it keeps its own 1-digit sums

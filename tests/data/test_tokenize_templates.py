@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn as nn
 
 from data.cleaning import CleanReport
 from data.formats import DataError
@@ -17,6 +15,7 @@ from data.tokenizer import (
     train_tokenizer,
 )
 from engine.evaluate import greedy_answers, greedy_decode
+from tests.oracle import Oracle
 from tests.chat_templates import CHATML, FAMILIES, build_tokenizer, corpus, labelled_spans as spans
 
 torch.set_num_threads(1)
@@ -168,34 +167,6 @@ def test_end_of_turn_ids(toks, family, tmp_path):
     want = {"glm4": ["<|user|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"],
             "chatml": ["<|im_end|>"]}[family]   # from the template (+ eos) alone
     assert end_of_turn_ids(without) == without.convert_tokens_to_ids(want)
-
-
-class Oracle(nn.Module):
-    """Next token = table[whole prefix]; unknown prefixes get token 0. The Decoder's decoding interface."""
-
-    def __init__(self, vocab: int, max_seq_len: int = 512):
-        super().__init__()
-        self.table: dict[tuple[int, ...], int] = {}
-        self.vocab = vocab
-        self.config = SimpleNamespace(max_seq_len=max_seq_len)
-        self.lm_head = nn.Linear(vocab, vocab, bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(torch.eye(vocab))
-
-    def teach(self, context: list[int], continuation: list[int]) -> "Oracle":
-        for k, t in enumerate(continuation):
-            self.table[tuple(context + continuation[:k])] = t
-        return self
-
-    def hidden_states(self, input_ids, position_ids=None, doc_ids=None):
-        out = torch.zeros(*input_ids.shape, self.vocab)
-        for b, row in enumerate(input_ids.tolist()):
-            for t in range(len(row)):
-                out[b, t, self.table.get(tuple(row[:t + 1]), 0)] = 30.0
-        return out
-
-    def forward(self, input_ids, position_ids=None, doc_ids=None):
-        return self.lm_head(self.hidden_states(input_ids))
 
 
 @pytest.mark.parametrize("family", ["glm4", "llama3", "chatml"])

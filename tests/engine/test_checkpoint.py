@@ -439,8 +439,9 @@ def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
     model, _ = trained(lora=False, steps=0)
     digests = [artifacts.read_manifest(p)["digest"] for p in inputs]
     for stage, tc in (("pretrain", cfg.pretrain), ("sft", cfg.sft)):
-        # (global_batch_size came later: unset, it is left out so the directory stays the same)
-        section = tc.model_dump(mode="json", exclude={"max_steps", "log_every", "global_batch_size"})
+        # (global_batch_size came later: unset, it is left out so the directory stays the same; compile, a
+        # speed setting, came later too and is always left out)
+        section = tc.model_dump(mode="json", exclude={"max_steps", "log_every", "global_batch_size", "compile"})
         key = artifacts.sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
                                      "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
                                      "attention": cfg.attention, "inputs": digests})
@@ -449,6 +450,8 @@ def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
         longer = Checkpointer.for_stage(cfg, stage, tc.model_copy(update={"max_steps": 999, "log_every": 3}), inputs,
                                         model)
         assert longer.root == ckpt.root
+        compiled = Checkpointer.for_stage(cfg, stage, tc.model_copy(update={"compile": True}), inputs, model)
+        assert compiled.root == ckpt.root
         lora = getattr(tc, "lora", None)          # what the loop saved as trainer_state["config"] before
         assert ckpt.run_config == {"model": model.config.to_dict() if stage == "pretrain" else None,
                                    "lora": lora.model_dump(mode="json") if lora is not None else None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,47 +29,10 @@ from engine.evaluate import (
 from engine import heldout
 from engine.losses import DPOLoss
 from model import Decoder, DecoderConfig, inject_lora
+from tests.oracle import Oracle
 
 torch.set_num_threads(1)
 
-SCALE = 30.0   # one-hot logit: the oracle's token has p = 1 - O(V e^-30)
-
-
-class Oracle(nn.Module):
-    """Next token = table[prefix of the current document]; unknown prefixes get uniform logits."""
-
-    def __init__(self, vocab: int, table: dict[tuple[int, ...], int] | None = None, max_seq_len: int = 512):
-        super().__init__()
-        self.table = dict(table or {})
-        self.config = SimpleNamespace(max_seq_len=max_seq_len)
-        self.lm_head = nn.Linear(vocab, vocab, bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(torch.eye(vocab))
-        self.vocab = vocab
-
-    def teach(self, context: list[int], continuation: list[int]) -> "Oracle":
-        for k, t in enumerate(continuation):
-            prefix = tuple(context + continuation[:k])
-            assert self.table.setdefault(prefix, t) == t, "two continuations of one prefix: no model is perfect"
-
-        return self
-
-    def hidden_states(self, input_ids, position_ids=None, doc_ids=None):
-        B, T = input_ids.shape
-        out = torch.zeros(B, T, self.vocab)
-        rows = input_ids.tolist()
-        for b in range(B):
-            for t in range(T):
-                start = t - int(position_ids[b, t]) if position_ids is not None else 0   # document start
-                nxt = self.table.get(tuple(rows[b][start:t + 1]))
-                if nxt is not None:
-                    out[b, t, nxt] = SCALE
-        return out
-
-    def forward(self, input_ids, position_ids=None, doc_ids=None):
-        return self.lm_head(self.hidden_states(input_ids, position_ids, doc_ids))
-
-    generate = Decoder.generate
 
 
 # ---------------------------------------------------------------- fixtures
@@ -244,7 +206,7 @@ def test_preference_metrics_trained_adapter_prefers_chosen(tok, pairs):
     batch = next(padded_batches(src, iter(range(len(pairs))), batch_size=len(pairs), group_size=2))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     loss_fn = DPOLoss(beta=0.1)
-    for _ in range(15):
+    for _ in range(30):
         loss, _ = loss_fn(model, batch)
         opt.zero_grad()
         loss.backward()

@@ -1,0 +1,111 @@
+"""`<stage>.compile` (engine/compile.py): compiled training steps learn what eager ones do (fp32 rounding
+apart), evaluation stays eager, and every way compiling can't work falls back to eager with a reason."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import engine.compile as ec
+from configs.schema import TrainConfig
+from engine.compile import compiled_training
+from engine.losses import causal_lm_loss
+from model import Decoder, DecoderConfig, inject_lora
+
+torch.set_num_threads(1)
+CPU = torch.device("cpu")
+VOCAB = 61
+
+
+def lora_model(seed=0) -> Decoder:
+    torch.manual_seed(seed)
+    m = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=48, max_seq_len=32, arch="qwen3"))
+    inject_lora(m, "all-linear", r=4, alpha=8, modules_to_save=["embed_tokens", "lm_head"])
+    return m.train()
+
+
+def packed(seed: int, B=3, T=16) -> dict:
+    """Rows of two documents each, like data.packing's (doc ids, positions restarting, answer-only labels)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (B, T), generator=g)
+    cut = T // 2 - 1
+    doc = torch.cat([torch.ones(B, cut, dtype=torch.long), torch.full((B, T - cut), 2)], 1)
+    pos = torch.cat([torch.arange(cut), torch.arange(T - cut)]).expand(B, T)
+    labels = torch.where(torch.rand(B, T, generator=g) < 0.4, x, -100)
+    return {"input_ids": x, "labels": labels, "doc_ids": doc, "position_ids": pos, "packed": True}
+
+
+def run(model, steps: int, **ctx) -> tuple[list[float], dict]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    with compiled_training(model, device=CPU, **ctx) as info:
+        for i in range(steps):
+            loss, _ = causal_lm_loss(model, packed(i % 4))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():      # evaluation inside the block: eager (other shapes, no recompiles)
+            model.hidden_states(torch.zeros(1, 5, dtype=torch.long))
+        model.train()
+    assert "hidden_states" not in model.__dict__       # the method is back after the block
+    return losses, info
+
+
+def test_compiled_steps_learn_what_eager_steps_do(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    if ec.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: the fallback tests cover this machine")
+    eager, info_e = run(lora_model(), 12, enabled=False)
+    compiled, info_c = run(lora_model(), 12, enabled=True, runs_dir=tmp_path)
+    assert info_e == {"compile": False}
+    assert info_c["compile"] is True and info_c["compile_s"] > 0 and "compile_fallback" not in info_c
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / ".cache" / "inductor").resolve())
+    assert any((tmp_path / ".cache" / "inductor").iterdir())         # the compiled artifacts are there
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+    assert compiled[-1] < compiled[0] - 0.5          # it learned
+
+
+def test_cache_dir_replaces_only_inductors_default(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())       # what importing torch._dynamo leaves
+    assert ec.cache_dir(tmp_path) == (tmp_path / ".cache" / "inductor").resolve()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))    # the user's choice is kept
+    assert ec.cache_dir(tmp_path / "other") == tmp_path / "mine"
+
+
+def test_no_cxx_compiler_runs_eager(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))       # (restored after the test)
+    monkeypatch.setattr(ec, "cxx_compiler", lambda: None)
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compile must not be tried"))
+    eager, _ = run(lora_model(), 3, enabled=False)
+    losses, info = run(lora_model(), 3, enabled=True, runs_dir=tmp_path)
+    assert info["compile"] is False and "C++ compiler" in info["compile_fallback"]
+    assert losses == eager and "running eager" in caplog.text
+
+
+def test_a_failing_compile_falls_back_to_eager(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ec, "cxx_compiler", lambda: "g++")
+
+    def broken(fn, **kw):
+        def call(*a, **k):
+            raise RuntimeError("InductorError: CppCompileError: no such header\nmore")
+        return call
+    monkeypatch.setattr(torch, "compile", broken)
+    eager, _ = run(lora_model(), 3, enabled=False)
+    losses, info = run(lora_model(), 3, enabled=True, runs_dir=tmp_path)
+    assert losses == eager
+    assert info["compile"] is False and info["compile_fallback"].startswith("compile failed: RuntimeError")
+
+
+def test_cuda_and_several_processes_stay_eager():
+    assert "CUDA" in ec.unavailable(torch.device("cuda"), None)
+    assert "torchrun" in ec.unavailable(CPU, object())
+
+
+def test_compile_is_off_by_default():
+    assert TrainConfig().compile is False

@@ -1,0 +1,109 @@
+"""The KV-cached greedy decoder (engine.evaluate.greedy_decode) gives the token ids of the decoder it
+replaced (batched, the whole prefix re-run every step, kept here as the reference) and of Decoder.generate,
+for every layout (GLM's interleaved partial RoPE and sandwich norms included), with a LoRA adapter,
+ragged prompt lengths, several stop ids and prompts that fall back to the cropped path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.evaluate import _generate, _stop_set, greedy_decode
+from model import Decoder, DecoderConfig, inject_lora
+from model.model import LAYOUTS, KVCache
+
+
+def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size=32):
+    """The previous engine.evaluate.greedy_decode (before the KV cache), verbatim but for this docstring."""
+    stop = _stop_set(eos_id)
+    out = [[] for _ in prompts]
+    limit = model.config.max_seq_len
+    device = model.lm_head.weight.device
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    short = []
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens - 1 > limit:
+            out[i] = _generate(model, p, max_new_tokens, stop)
+        else:
+            short.append(i)
+    short.sort(key=lambda i: len(prompts[i]))
+    for s in range(0, len(short), batch_size):
+        idx = short[s:s + batch_size]
+        lens = torch.tensor([len(prompts[i]) for i in idx], device=device)
+        buf = torch.zeros(len(idx), int(lens.max()) + max_new_tokens, dtype=torch.long, device=device)
+        for r, i in enumerate(idx):
+            buf[r, :len(prompts[i])] = torch.tensor(prompts[i])
+        active = torch.arange(len(idx), device=device)
+        for _ in range(max_new_tokens):
+            width = int(lens[active].max())
+            hidden = model.hidden_states(buf[active, :width])
+            last = hidden[torch.arange(len(active), device=device), lens[active] - 1]
+            nxt = model.lm_head(last).argmax(-1)
+            buf[active, lens[active]] = nxt
+            lens[active] += 1
+            for r, t in zip(active.tolist(), nxt.tolist()):
+                out[idx[r]].append(t)
+            active = active[~torch.isin(nxt, stop_ids)]
+            if len(active) == 0:
+                break
+    return out
+
+
+def decoder(arch: str, seed: int, vocab: int = 50, max_seq_len: int = 48) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                                  intermediate_size=96, max_seq_len=max_seq_len, arch=arch))
+    with torch.no_grad():           # larger weights than the init: peaked logits, answers that vary by prompt
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(20)
+    return model.eval()
+
+
+def prompts(seed: int, n: int, vocab: int = 50) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 30, (n,), generator=g).tolist() + [45, 40]   # the last two: the cropped path
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize("arch", sorted(LAYOUTS))
+def test_cached_decode_equals_the_uncached_decoder_and_generate(arch):
+    model = decoder(arch, seed=1)
+    ps = prompts(2, 21)
+    stop = [3, 7]
+    with torch.no_grad():
+        got = greedy_decode(model, ps, max_new_tokens=12, eos_id=stop, batch_size=8)
+        assert got == uncached_greedy_decode(model, ps, max_new_tokens=12, eos_id=stop, batch_size=8)
+        assert got == [_generate(model, p, 12, set(stop)) for p in ps]
+    assert any(len(t) < 12 for t in got) and any(len(t) == 12 for t in got)   # both stops and full lengths seen
+    assert len({tuple(t) for t in got}) > 5                                       # not one answer for every prompt
+
+
+def test_cached_decode_with_a_trained_lora_adapter():
+    model = decoder("qwen3", seed=3)
+    inject_lora(model, "all-linear", r=4, alpha=8, modules_to_save=["embed_tokens", "lm_head"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    ps = prompts(4, 13)
+    with torch.no_grad():
+        got = greedy_decode(model, ps, max_new_tokens=9, eos_id=None, batch_size=5)
+        assert got == uncached_greedy_decode(model, ps, max_new_tokens=9, eos_id=None, batch_size=5)
+    assert all(len(t) == 9 for t in got)
+
+
+def test_cache_logits_match_a_full_forward():
+    """Each cached step's hidden state is the full forward's at that position (rows of different lengths)."""
+    model = decoder("glm4", seed=5)
+    ids = torch.randint(0, 50, (3, 20), generator=torch.Generator().manual_seed(6))
+    lens = torch.tensor([7, 12, 9])
+    cache = KVCache(20)
+    with torch.no_grad():
+        full = model.hidden_states(ids)                                                  # (3, 20, C)
+        pre = torch.where(torch.arange(12) < lens[:, None], ids[:, :12], 0)              # right-padded prompts
+        model.hidden_states(pre, torch.arange(12).expand(3, 12), cache=cache)
+        pos = lens.clone()
+        for _ in range(6):
+            h = model.hidden_states(ids[torch.arange(3), pos][:, None], pos[:, None], cache=cache)[:, 0]
+            torch.testing.assert_close(h, full[torch.arange(3), pos], rtol=1e-5, atol=1e-5)
+            pos += 1

@@ -30,6 +30,14 @@ if ! { [ -f "$PREFECT_HOME/worker.pid" ] && kill -0 "$(cat "$PREFECT_HOME/worker
 fi
 
 echo "[run] prefect deployment run glm-lora/full (UI: http://127.0.0.1:$PREFECT_PORT, password: the content of $PREFECT_HOME/auth)"
-prefect deployment run glm-lora/full --watch "$@"
+# The watch's event stream goes to a log; the terminal gets one line per stage state (training stages also
+# draw a progress artifact in the UI).
+events="$PREFECT_HOME/last-run-events.log"
+prefect deployment run glm-lora/full --watch "$@" 2>&1 | tee "$events" | awk '
+  /^Created flow run/ || /URL: / { print "[run] " $0; fflush() }
+  { if (match($0, /prefect\.task-run\.(Running|Completed|Cached|Failed|Crashed|AwaitingRetry|Retrying) \* [a-z]+/)) {
+      split(substr($0, RSTART, RLENGTH), f, /[. *]+/); printf "[run] %-10s %s\n", f[4], f[3]; fflush() } }
+  /Flow run finished/ { print "[run] " $0; fflush() }'
+echo "[run] every event of the run: $events"
 python -m flows.answer
 echo "[run] total $(( $(date +%s) - t0 )) s"

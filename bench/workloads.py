@@ -232,23 +232,21 @@ def timed_steps(step, batches: list[dict], device: torch.device, steps: int, *, 
     stable = _stable(warm, window, tol)
     measured = batches[i:i + steps]
     ends, real, slots = [], [], []
-    if cuda:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        ends.append(ev)
-    else:
-        ends.append(time.perf_counter())
+
+    def mark() -> None:     # a step boundary: a CUDA event (no host sync) or the host clock
+        if cuda:
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
+        else:
+            ends.append(time.perf_counter())
+
+    mark()
     t0 = time.perf_counter()
     for n, b in enumerate(measured):
         step(to_device(b, device))
         real.append(int(b["num_tokens"]))
         slots.append(int(b["capacity"]))
-        if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            ends.append(ev)
-        else:
-            ends.append(time.perf_counter())
+        mark()
         if max_measure_s is not None and n + 1 >= min_steps and time.perf_counter() - t0 > max_measure_s:
             break
     sync()

@@ -261,6 +261,14 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _write_manifest(step_dir: Path, manifest: dict) -> bytes:
+    """Seal `manifest` with its own checksum and write it into the step directory; return the bytes written."""
+    manifest["manifest_sha256"] = _manifest_checksum(manifest)
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    _write_file(step_dir / MANIFEST, data)
+    return data
+
+
 def _manifest_checksum(manifest: dict) -> str:
     return sha256_json({k: v for k, v in manifest.items() if k != "manifest_sha256"})
 
@@ -400,9 +408,7 @@ class CheckpointManager:
             manifest = {"format": FORMAT_SHARDED, "step": step, "files": files, "world_size": self.dist.world_size,
                         "optimizer": {"sharded": True} if with_optimizer else None,
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            manifest["manifest_sha256"] = _manifest_checksum(manifest)
-            manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            _write_file(tmp / MANIFEST, manifest_bytes)
+            manifest_bytes = _write_manifest(tmp, manifest)
             fsync(tmp / DCP_DIR)
             fsync(tmp)
             self._publish(tmp, self.root / _step_dir_name(step))
@@ -481,9 +487,7 @@ class CheckpointManager:
                      for p in sorted(tmp.iterdir())}
             manifest = {"format": FORMAT, "step": step, "files": files, "optimizer": opt_sizes,
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            manifest["manifest_sha256"] = _manifest_checksum(manifest)
-            manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            _write_file(tmp / MANIFEST, manifest_bytes)
+            manifest_bytes = _write_manifest(tmp, manifest)
             fsync(tmp)
             self._publish(tmp, self.root / _step_dir_name(step))
         except BaseException:

@@ -17,11 +17,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from flows.local_server import local_prefect_server  # noqa: E402
+
 CHROMIUM = "/usr/bin/chromium"
 SHORT = {"pretrain.max_steps": 30, "sft.max_steps": 60, "dpo.max_steps": 10, "sft.eval_every": 20,
          "dpo.eval_every": 5, "data.synthetic.n_pretrain": 1500, "data.synthetic.n_sft": 1000,
@@ -47,16 +48,7 @@ def main(out: Path) -> int:
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_API_AUTH_STRING": auth, "PREFECT_API_AUTH_STRING": auth,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(1)
+    with local_prefect_server(env, port):
         overrides = {**SHORT, "runs_dir": str(home / "runs")}
         run = subprocess.run([sys.executable, "-c", FLOW, json.dumps(overrides)], env=env, cwd=REPO,
                              capture_output=True, text=True, timeout=1200)
@@ -66,9 +58,6 @@ def main(out: Path) -> int:
             return 1
         _, flow_run_id, state = line.split()
         return browse(f"http://127.0.0.1:{port}", auth, flow_run_id, out)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def browse(base: str, auth: str, flow_run_id: str, out: Path) -> int:

@@ -9,12 +9,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from flows.local_server import local_prefect_server
 from tests.reliability.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow
@@ -63,22 +62,8 @@ def prefect_on_postgres(postgres, tmp_path_factory):
            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     for auth in ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING"):   # this server has none
         env.pop(auth, None)
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("Prefect server on PostgreSQL did not become healthy in 120 s")
+    with local_prefect_server(env, port):
         yield env
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 RUN_AND_READ_BACK = """

@@ -24,7 +24,7 @@ keeps the live server: it is only smoke-tested again, through the endpoint.
 
 A killed promotion (kill -9 of the stage) is settled by a watchdog started beside each candidate
 (`python -m serve.watchdog`): it blocks on a pipe only the promoting process holds; when the pipe closes
-and that process is gone, it takes the lock and undoes what the promotion left (nginx back on the active
+without the promotion's "done" and that process is gone, it takes the lock and undoes what the promotion left (nginx back on the active
 server, the candidate stopped, the record cleaned). Every later command settles such leftovers as well
 (in case the watchdog died too): whoever holds the lock is the only promotion running.
 
@@ -306,6 +306,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+WATCHDOG_DONE = b"done\n"    # written by a promotion that ended in its process; the watchdog then just exits
+
+
 def _watchdog(dep: Deployment, owner: dict) -> subprocess.Popen:
     dep.logs.mkdir(parents=True, exist_ok=True)
     with open(dep.logs / "watchdog.log", "ab") as out:
@@ -410,7 +413,8 @@ def promote(cfg, export_dir: Path, *, key: str | None, key_source: str | None, s
             _prune(dep, rec, sc.keep_exports)
         finally:
             with contextlib.suppress(OSError):
-                watchdog.stdin.close()      # this process lives on: the watchdog just exits
+                watchdog.stdin.write(WATCHDOG_DONE)  # this process lives on and cleaned up: the watchdog just exits
+                watchdog.stdin.close()
         return _finish(dep, cfg, rec["active"], checks, gate, key_source, running=True, restarted=True,
                        ready_s=ready_s)
 

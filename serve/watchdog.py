@@ -1,10 +1,11 @@
 """`python -m serve.watchdog SERVING_DIR HOST PORT PID START`: started beside each candidate server by serve/deploy.py
 for the promoting process (PID, with its start time, so a reused pid is not mistaken for it). Its stdin is a
-pipe whose other end only that process holds; it waits on it. The pipe closes when the promotion ends or
-its process dies (kill -9 included); the process is also checked every second, in case something it
-forked still holds the pipe's other end. If the process still lives, the promotion ended in it and cleaned up
-after itself: nothing to do. If it died, the watchdog takes the deployment's lock and settles what the
-promotion left: nginx back on the active server, the candidate stopped, the record cleaned.
+pipe whose other end only that process holds. A promotion that ends in its process (success or a handled
+failure: it cleaned up after itself) writes DONE down the pipe before closing it: the watchdog just exits.
+A pipe that closes without DONE, or a process that is gone (checked every second), means the process died
+(kill -9 included). The kernel closes a dying process's files before /proc shows it dead, so the watchdog
+then waits for the process to be gone, takes the deployment's lock and settles what the promotion left:
+nginx back on the active server, the candidate stopped, the record cleaned.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import select
 import sys
+import time
 from pathlib import Path
 
 from serve import deploy
@@ -21,18 +23,26 @@ def main(argv: list[str]) -> int:
     dep = deploy.Deployment(Path(argv[0]), argv[1], int(argv[2]))
     owner = {"pid": int(argv[3]), "start": argv[4]}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s watchdog %(message)s")
-    logging.getLogger("glm_lora").info("watching promoting process %s for %s", owner["pid"], dep.root)
+    log = logging.getLogger("glm_lora")
+    log.info("watching promoting process %s for %s", owner["pid"], dep.root)
+    received, pipe_open = b"", True
     while deploy.owner_alive(owner):
+        if not pipe_open:
+            time.sleep(0.1)         # the pipe closed without DONE: the process is dying
+            continue
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
-        if ready and not os.read(sys.stdin.fileno(), 4096):     # EOF: the promotion ended
-            break
-    if deploy.owner_alive(owner):
-        return 0
-    logging.getLogger("glm_lora").info("the promoting process %s died; settling %s", owner["pid"], dep.root)
+        if ready:
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            received += chunk
+            if deploy.WATCHDOG_DONE in received:
+                log.info("the promotion ended in its process %s; nothing to settle", owner["pid"])
+                return 0
+            pipe_open = bool(chunk)
+    log.info("the promoting process %s died; settling %s", owner["pid"], dep.root)
     with deploy.locked(dep, wait_s=float("inf")):
         deploy.settle(dep, deploy.read_record(dep))
+    log.info("settled %s", dep.root)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

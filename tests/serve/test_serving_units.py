@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import threading
 import urllib.request
 from pathlib import Path
@@ -219,8 +220,11 @@ def _fake_vllm(model_dir: Path) -> subprocess.Popen:
                              "--model", str(model_dir)], start_new_session=True)
 
 
-@pytest.mark.parametrize("owner_dies", [True, False])
-def test_the_watchdog_undoes_a_promotion_only_if_its_process_died(tmp_path, owner_dies):
+@pytest.mark.parametrize("end", ["done", "killed", "pipe_closes_before_death"])
+def test_the_watchdog_undoes_a_promotion_only_if_its_process_died(tmp_path, end):
+    """done: the promotion ended in its live process (it writes "done", then closes the pipe): nothing to undo.
+    killed: the process died, its pipe closed. pipe_closes_before_death: a kill -9 closes the process's files
+    before /proc shows it dead; the pipe closes without "done" while the process still looks alive."""
     from serve_helpers import free_port
     dep = deploy.Deployment(tmp_path / "serving", "127.0.0.1", free_port())
     candidate = _fake_vllm(dep.exports / "abc" / "sft_merged")
@@ -232,17 +236,24 @@ def test_the_watchdog_undoes_a_promotion_only_if_its_process_died(tmp_path, owne
     deploy.write_record(dep, rec)
     try:
         watchdog = deploy._watchdog(dep, owner)
-        if owner_dies:
+        if end == "killed":
             promoting.kill()
             promoting.wait()
-        watchdog.stdin.close()             # the pipe closes: the promotion ended or its process died
+        if end == "done":
+            watchdog.stdin.write(deploy.WATCHDOG_DONE)
+        watchdog.stdin.close()
+        if end == "pipe_closes_before_death":
+            time.sleep(2)
+            assert watchdog.poll() is None, "the watchdog left while the promoting process was dying"
+            promoting.kill()
+            promoting.wait()
         assert watchdog.wait(timeout=60) == 0
-        if owner_dies:
-            assert candidate.wait(timeout=30) is not None and orphan.wait(timeout=30) is not None
-            assert json.loads(dep.record.read_text())["candidate"] is None
-        else:                              # the promotion ended in its own (live) process: nothing to undo
+        if end == "done":
             assert candidate.poll() is None and orphan.poll() is None
             assert json.loads(dep.record.read_text())["candidate"]["pid"] == candidate.pid
+        else:
+            assert candidate.wait(timeout=30) is not None and orphan.wait(timeout=30) is not None
+            assert json.loads(dep.record.read_text())["candidate"] is None
     finally:
         for p in (candidate, orphan, promoting):
             p.kill()

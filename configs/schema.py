@@ -151,6 +151,10 @@ class LoRAConfig(Section):
     b_lr_ratio: float = Field(1.0, gt=0)   # LoRA+: B's learning rate = this × lr (1 = plain LoRA)
     # Trained in full beside the adapter and saved with it (PEFT's modules_to_save).
     modules_to_save: list[Literal["embed_tokens", "lm_head"]] = []
+    # QLoRA: "nf4" keeps the frozen base weight of each target layer in 4 bits (bitsandbytes' NF4 with
+    # double-quantised scales, ~0.52 byte a weight instead of 2-4) and dequantises it for every use; the
+    # adapter stays in the model's dtype. Merging and export use the dequantised base. model/quant.py.
+    quantization: Literal["none", "nf4"] = "none"
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -365,6 +369,16 @@ class Config(Section):
             ("pretrain", self.pretrain), ("sft", self.sft), ("dpo", self.dpo))
         for key, tc in stages:
             derived_grad_accum(tc, key, world)
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_base_is_replicated(self):
+        """The 4-bit base is neither parameter nor buffer: FSDP2 would not shard it and could not gather it."""
+        if self.dist.strategy == "fsdp2":
+            for key, tc in (("sft", self.sft), ("dpo", self.dpo)):
+                if tc.lora.quantization != "none":
+                    raise ValueError(f"{key}.lora.quantization {tc.lora.quantization} keeps the base weights out of the "
+                                     "parameters FSDP2 shards: set dist.strategy to ddp or auto")
         return self
 
     @model_validator(mode="after")

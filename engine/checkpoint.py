@@ -880,13 +880,17 @@ class Checkpointer:
         """
         digests = [read_manifest(p)["digest"] for p in inputs]
         lora = getattr(tc, "lora", None)
+        # lora.quantization came later: while "none" it stays out of both, so earlier checkpoints still resume.
+        new_lora_keys = {"quantization"} if lora is not None and lora.quantization == "none" else set()
         run_config = {"model": model.config.to_dict() if lora is None else None,
-                      "lora": lora.model_dump(mode="json") if lora is not None else None,
+                      "lora": lora.model_dump(mode="json", exclude=new_lora_keys) if lora is not None else None,
                       "inputs": digests, "seq_len": tc.seq_len, "batch_size": tc.batch_size, "packing": tc.packing}
         # global_batch_size came later: while unset it stays out of the hash, so earlier directories are found.
         # compile is a speed setting (same learning up to fp32 rounding): a run resumes across it.
-        unhashed = {"max_steps", "log_every", "compile"} | ({"global_batch_size"} if tc.global_batch_size is None
-                                                           else set())
+        unhashed = dict.fromkeys({"max_steps", "log_every", "compile"} |
+                                 ({"global_batch_size"} if tc.global_batch_size is None else set()), True)
+        if new_lora_keys:
+            unhashed["lora"] = new_lora_keys
         key = sha256_json({"stage": stage, "section": tc.model_dump(mode="json", exclude=unhashed),
                            "model": cfg.model.model_dump(mode="json"), "device": cfg.device,
                            "precision": cfg.precision, "kernels": cfg.kernels, "attention": cfg.attention,

@@ -24,7 +24,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
     lora = tc.lora
 
     def with_lora(m):
-        inject_lora(m, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.modules_to_save)
+        inject_lora(m, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.modules_to_save,
+                    lora.quantization)
         return m
     with_lora(model)
     log.info("dpo: beta %.3g, nll_weight %.3g", tc.beta, tc.nll_weight)

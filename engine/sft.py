@@ -25,7 +25,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
     lora = tc.lora
 
     def with_lora(m):
-        inject_lora(m, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.modules_to_save)
+        inject_lora(m, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.modules_to_save,
+                    lora.quantization)
         return m
     with_lora(model)
     log.info("sft: %.3fM trainable of %.2fM", model.num_params(True) / 1e6, model.num_params() / 1e6)

@@ -17,6 +17,11 @@
                                 vLLM whenever it exists. GlmForCausalLM needs none: vLLM 0.32 runs it through
                                 its Transformers backend, which takes HF's module names, fused gate_up_proj
                                 included (and refuses the split form) — measured, tests/serve.
+    <out>/adapters/*/base_quantization.json   only for an adapter trained with lora.quantization nf4
+                                (QLoRA): the BitsAndBytesConfig arguments that load its base in 4 bits
+                                as it was trained (our NF4 is bitsandbytes' format, byte for byte). Such
+                                an adapter is not served on the full-precision base; merged/ and
+                                sft_merged/ hold it merged into the dequantised base, and those are served.
     <out>/compare.md            fixed prompts answered by the pretrain, SFT and DPO models
 
 Every directory has a model card (README.md with the Hugging Face metadata header, export/model_card.py).
@@ -48,7 +53,8 @@ from data.prepare import SOURCES, TOKENIZER_FILES
 from data.tokenizer import end_of_turn_ids, load_tokenizer
 from engine import evaluate
 from export.model_card import write_model_card
-from model.adapters import PEFT_CONFIG, PEFT_WEIGHTS, load_policy, read_adapter, vllm_unservable
+from model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, load_policy,
+                            read_adapter, vllm_unservable)
 from model.hf import save_hf
 
 COMPARE = "compare.md"
@@ -73,6 +79,8 @@ def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig,
         "init_lora_weights": True,
     }
     (out_dir / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
+    if lora.quantization == "nf4":      # load its base as trained: BitsAndBytesConfig(**quantization_config)
+        (out_dir / BASE_QUANTIZATION).write_text(json.dumps({"quantization_config": NF4_BNB_CONFIG}, indent=2))
 
 
 def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str,
@@ -166,19 +174,24 @@ def _model_cards(cfg: Config, out_dir: Path, arch: str, evals: dict, datasets: l
     run = cfg.run_name
     write_model_card(out_dir / "base", title="base", what="The starting weights (pretrained or imported)",
                      base_model=None, adapter=False, metrics=pick("pretrain"), **card)
+    merged_only = vllm_unservable(out_dir / "adapters" / "dpo")     # then the server loads merged/ alone
     write_model_card(out_dir / "sft_merged", title="sft_merged", what="The base with the SFT adapter merged in",
                      base_model="../base", adapter=False, metrics=pick("pretrain", "sft"),
-                     served_as=f"the model the glm-lora server loads, served as `{run}-sft` (and the DPO "
-                               f"adapter's base: `{run}`, `{run}-dpo`)", **card)
+                     served_as="not served (the DPO adapter is not servable on it: the server loads ../merged)"
+                     if merged_only else f"the model the glm-lora server loads, served as `{run}-sft` (and the "
+                                         f"DPO adapter's base: `{run}`, `{run}-dpo`)", **card)
     write_model_card(out_dir / "merged", title="merged", what="The base with the SFT and DPO adapters merged in",
                      base_model="../sft_merged", adapter=False, metrics=pick("pretrain", "sft", "dpo"),
-                     served_as=f"`{run}` with `serve.adapters: false`; with adapters the server answers `{run}` "
-                               "with ../sft_merged + the DPO adapter, which equals this model (the smoke test "
-                               "checks it against this directory)", **card)
+                     served_as=f"`{run}`, loaded by the glm-lora server itself" if merged_only else
+                     f"`{run}` with `serve.adapters: false`; with adapters the server answers `{run}` "
+                     "with ../sft_merged + the DPO adapter, which equals this model (the smoke test "
+                     "checks it against this directory)", **card)
     for name, base in (("sft", "../../base"), ("dpo", "../../sft_merged")):
         dirs = [out_dir / "adapters" / name] + ([out_dir / "adapters" / f"{name}{VLLM_SUFFIX}"] if split else [])
         why = vllm_unservable(out_dir / "adapters" / name)
-        served = (f"not as an adapter: {why}; the server answers `{run}-sft` with ../../sft_merged instead"
+        instead = (f"`{run}` with ../../merged (the final model) alone" if merged_only
+                   else f"`{run}-sft` with ../../sft_merged")
+        served = (f"not as an adapter: {why}; the server answers {instead} instead"
                   if why else f"`{run}-{name}`" + (f" and `{run}` (the final model)" if name == "dpo" else "") +
                   f" on {base}" + (" (the -vllm form)" if split else ""))
         for d in dirs:

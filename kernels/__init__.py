@@ -13,6 +13,12 @@ Exceptions "auto" makes, from those measurements (H200, bf16, 16k tokens):
   lora_linear  with dropout the Triton RNG kernel lost to torch dropout + cuBLAS (1.9× slower); the
                fused cuBLAS-accumulating path without dropout is 1.2–1.4× the frozen GEMM, PEFT 1.5–2×
 
+dequantize_nf4 (QLoRA's 4-bit base): Triton on CUDA, 1.35–1.7× faster than torch.compile of the reference
+and 11–17× than eager (1.3–3.1 TB/s from 2048² to 11008×4096 weights; bench/results/kernels_nf4_*.json).
+The LoRA linear over it (nf4_lora_linear, kernels/qlora.py) is cuBLAS around that dequantisation, once in
+forward and once in backward: forward + backward take 1.01–1.10× the bf16 lora_linear's time at 2048×5632
+and 5632×2048, 1.25–1.65× at 2048² (two runs), for a quarter of its weight's memory.
+
 Not an exception but a limit, on every backend ("triton" too): apply_rope with GLM's interleaved pairs
 or partial rotary runs the reference; the Triton kernel rotates whole heads in halves only (not measured
 on GPU: GLM layouts pay eager RoPE there).
@@ -34,13 +40,13 @@ from typing import Iterator
 
 import torch
 
-from kernels import reference
+from kernels import qlora, reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
 _MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
-            "linear_token_logprobs": "triton_linear_loss"}
+            "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4"}
 _BACKEND, _ATTENTION = "auto", "auto"     # what the ops below dispatch on; set by use() / using()
 
 
@@ -102,6 +108,10 @@ def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
     return impl(x, weight, lora_a, lora_b, scale, dropout, training)
 
 
+def dequantize_nf4(packed, absmax_codes, nested_absmax, offset, code, nested_code, dtype):
+    return _impl("dequantize_nf4", packed)(packed, absmax_codes, nested_absmax, offset, code, nested_code, dtype)
+
+
 def linear_cross_entropy(hidden, weight, labels, ignore_index=-100):
     return _impl("linear_cross_entropy", hidden)(hidden, weight, labels, ignore_index)
 
@@ -111,6 +121,7 @@ def linear_token_logprobs(hidden, weight, labels, ignore_index=-100):
 
 
 rope_cos_sin = reference.rope_cos_sin
+nf4_lora_linear = qlora.nf4_lora_linear     # torch GEMMs around W rebuilt by dequantize_nf4 (above)
 
 
 FLEX_MIN_WIDTH = 2048    # query heads × head_dim

@@ -84,6 +84,31 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     return F.linear(x, weight) + scale * F.linear(F.linear(lora_in, lora_a), lora_b)
 
 
+def scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha · m1 m2 in one GEMM (alpha applied in the epilogue, one rounding): the fused LoRA paths' building block."""
+    out = torch.empty(m1.shape[0], m2.shape[1], dtype=m1.dtype, device=m1.device)
+    return out.addmm_(m1, m2, beta=0, alpha=alpha)
+
+
+NF4_BLOCK, NESTED_BLOCK = 64, 256      # weights per absmax; absmaxes per nested (fp32) absmax
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax_codes: torch.Tensor, nested_absmax: torch.Tensor,
+                   offset: torch.Tensor, code: torch.Tensor, nested_code: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' NF4 with double-quantised scales (QLoRA, arXiv:2305.14314) → the flat weight in `dtype`.
+
+    packed (n/2,) uint8: two 4-bit indices into `code` (16 NF4 values) per byte, the first element in the
+    high nibble. Each block of NF4_BLOCK weights has a scale absmax = nested_code[absmax_codes[b]] ·
+    nested_absmax[b // NESTED_BLOCK] + offset (fp32: the multiply and the add rounded apart, as bnb's
+    dequantize_blockwise then `absmax += offset`); a weight is code[index] · absmax, rounded once to `dtype`.
+    """
+    absmax = nested_code[absmax_codes.long()] * nested_absmax.repeat_interleave(NESTED_BLOCK)[:absmax_codes.numel()]
+    absmax = absmax + offset
+    indices = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1, NF4_BLOCK).long()
+    return (code[indices] * absmax[:, None]).view(-1).to(dtype)
+
+
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     """Half-precision logits are upcast to fp32 for the softmax; fp32/fp64 stay as they are."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import scaled_mm
+
 # jit functions are bound to the interpreter at import time, so decide once, here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_K = 64, 64           # BLOCK_K: a multiple of 32 (one int32 mask word per 32 columns)
@@ -256,7 +258,7 @@ def _dropout_grad_a(dxa, x2, bits, factor):
     M, K = x2.shape
     R = dxa.shape[1]
     if not _use_triton(x2):
-        return _mm(dxa.t(), x2 * _unpack_bits(bits, K), factor)
+        return scaled_mm(dxa.t(), x2 * _unpack_bits(bits, K), factor)
     rows_per_split = _row_splits(M, K, x2.device)
     splits = triton.cdiv(M, rows_per_split)
     part = torch.empty(splits, R, K, dtype=torch.float32, device=x2.device)
@@ -270,17 +272,12 @@ def _dropout_up(dxa, a, bits, factor):
     M, R = dxa.shape
     K = a.shape[1]
     if not _use_triton(dxa):
-        return _mm(dxa, a, factor).mul_(_unpack_bits(bits, K))
+        return scaled_mm(dxa, a, factor).mul_(_unpack_bits(bits, K))
     out = torch.empty(M, K, dtype=dxa.dtype, device=dxa.device)
     _up_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(K, BLOCK_K))](dxa, a, bits, out, M, K, R, factor,
                                                                    **_launch_args(dxa, R))
     return out
 
-
-def _mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha · m1 m2 in one GEMM (alpha applied in the epilogue, one rounding)."""
-    out = torch.empty(m1.shape[0], m2.shape[1], dtype=m1.dtype, device=m1.device)
-    return out.addmm_(m1, m2, beta=0, alpha=alpha)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +295,7 @@ class LoRALinearFunction(torch.autograd.Function):
             xa, bits = _dropout_down(x2, a, dropout_seed(x.device), p)
         else:
             xa, bits = torch.mm(x2, a.t()), None
-        y = _mm(xa, lora_b.t(), scale)
+        y = scaled_mm(xa, lora_b.t(), scale)
         y.addmm_(x2, weight.t())                 # the base GEMM accumulates onto the LoRA term
         ctx.save_for_backward(x2, weight, a, lora_b, xa, bits)
         ctx.scale, ctx.p, ctx.x_shape = scale, p, x.shape
@@ -314,13 +311,13 @@ class LoRALinearFunction(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])
             if need_b:
-                db = _mm(dy2.t(), xa, scale)
+                db = scaled_mm(dy2.t(), xa, scale)
             if need_x or need_a:
                 dxa = torch.mm(dy2, b)
             if need_a:
-                da = _mm(dxa.t(), x2, scale) if bits is None else _dropout_grad_a(dxa, x2, bits, factor)
+                da = scaled_mm(dxa.t(), x2, scale) if bits is None else _dropout_grad_a(dxa, x2, bits, factor)
             if need_x:
-                dx = _mm(dxa, a, scale) if bits is None else _dropout_up(dxa, a, bits, factor)
+                dx = scaled_mm(dxa, a, scale) if bits is None else _dropout_up(dxa, a, bits, factor)
                 dx = dx.addmm_(dy2, weight).view(ctx.x_shape)
         return dx, None, da, db, None, None
 

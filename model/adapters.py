@@ -30,7 +30,9 @@ def read_adapter(adapter_dir: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor]
 
 def apply_adapter(model: Decoder, adapter_dir: Path, merge: bool = True) -> Decoder:
     lora, state = read_adapter(adapter_dir)
-    inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save)
+    # The base the adapter was trained on: with nf4, merging folds it into the dequantised base weights.
+    inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save,
+                quantization=lora.quantization)
     load_lora_state_dict(model, state, lora.modules_to_save)
     return merge_lora(model) if merge else model
 
@@ -46,6 +48,11 @@ def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
 
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# Beside a PEFT adapter trained on a 4-bit base (lora.quantization nf4): transformers' BitsAndBytesConfig
+# arguments that load its base as it was trained (our NF4 format is bitsandbytes' own: tests/kernels/test_nf4.py).
+BASE_QUANTIZATION = "base_quantization.json"
+NF4_BNB_CONFIG = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                  "bnb_4bit_compute_dtype": "bfloat16"}
 
 
 def vllm_unservable(adapter_dir: Path) -> str | None:
@@ -53,5 +60,8 @@ def vllm_unservable(adapter_dir: Path) -> str | None:
     config = Path(adapter_dir) / PEFT_CONFIG
     if not config.is_file():
         return f"{adapter_dir} has no {PEFT_CONFIG}"
+    if (Path(adapter_dir) / BASE_QUANTIZATION).is_file():
+        return ("it was trained on a 4-bit (nf4) base, so on a full-precision base it is not the model that was "
+                "trained; its merged form (merged into the dequantised base) is served instead")
     saved = json.loads(config.read_text()).get("modules_to_save")
     return f"it trains {', '.join(saved)} in full (modules_to_save), which vLLM refuses" if saved else None

@@ -5,11 +5,17 @@ PEFT adapter is a prefix change only. Targets are the last name parts of the mod
 (`q_proj`, …, `gate_up_proj` in GLM layouts), or "all-linear" (PEFT's term): every linear projection
 of the layout, the output head excepted. `modules_to_save` (PEFT's name) are trained in full beside
 the adapter and saved with it as `<path>.weight` (e.g. embed_tokens, lm_head).
+
+QLoRA (`quantization="nf4"`): each wrapped layer keeps its frozen base weight in 4 bits (model/quant.py)
+instead of as a parameter; it is rebuilt for each use (forward, backward, the adapter switched off, merge).
+It is neither a parameter nor a buffer, so it is in no state dict, checkpoint or DDP broadcast: the
+adapter is all that is saved, and the 4-bit base is made again from the base weights wherever it is needed.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -17,6 +23,8 @@ import torch.nn as nn
 import kernels
 from configs.errors import UserError
 from configs.schema import ALL_LINEAR     # "all-linear": PEFT's term for every linear projection
+from kernels.reference import NF4_BLOCK
+from model.quant import NF4Weight, quantize_nf4
 
 
 class LoRAConfigError(UserError, ValueError):
@@ -24,33 +32,57 @@ class LoRAConfigError(UserError, ValueError):
 
 
 class LoRALinear(nn.Module):
-    """A frozen base linear plus a trainable low-rank update: y = x Wᵀ + b + (α/r)·x Aᵀ Bᵀ (b, if any: frozen)."""
+    """A frozen base linear plus a trainable low-rank update: y = x Wᵀ + b + (α/r)·x Aᵀ Bᵀ (b, if any: frozen).
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+    With quantization "nf4" W is held as `self.nf4` (4 bits a weight) and `self.weight` is None."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, quantization: str = "none"):
         super().__init__()
-        self.weight, self.bias = base.weight, base.bias
-        self.weight.requires_grad_(False)
+        device, dtype = base.weight.device, base.weight.dtype
+        self.nf4: NF4Weight | None = quantize_nf4(base.weight) if quantization == "nf4" else None
+        self.weight = None if self.nf4 is not None else base.weight.requires_grad_(False)
+        self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.r, self.alpha, self.dropout = r, alpha, dropout
         self.scale = alpha / r
-        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))   # PEFT's default init
         nn.init.zeros_(self.lora_B.weight)                             # starts as the identity update
         self.enabled = True
 
+    def _apply(self, fn, recurse=True):
+        """.to()/.cuda()/.half()… reach the 4-bit base too (it is no parameter or buffer): it moves to the device
+        and takes the dtype `fn` would give the weight it was made from; its own tensors keep their dtypes."""
+        super()._apply(fn, recurse)
+        if self.nf4 is not None:
+            probe = fn(torch.empty(0, dtype=self.nf4.dtype, device=self.nf4.device))
+            self.nf4 = replace(self.nf4.to(probe.device), dtype=probe.dtype)
+        return self
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W (out, in): the parameter, or the 4-bit base dequantised (into `dtype`, default its own)."""
+        return self.weight if self.nf4 is None else self.nf4.dequantize(dtype)
+
     def forward(self, x):
         if not self.enabled:
-            return nn.functional.linear(x, self.weight, self.bias)
-        y = kernels.lora_linear(x, self.weight, self.lora_A.weight, self.lora_B.weight,
-                                self.scale, self.dropout, self.training)
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            return nn.functional.linear(x, self.base_weight(dtype), self.bias)
+        if self.nf4 is None:
+            y = kernels.lora_linear(x, self.weight, self.lora_A.weight, self.lora_B.weight,
+                                    self.scale, self.dropout, self.training)
+        else:
+            y = kernels.nf4_lora_linear(x, self.nf4, self.lora_A.weight, self.lora_B.weight,
+                                        self.scale, self.dropout, self.training)
         return y if self.bias is None else y + self.bias
 
     def merged_weight(self) -> torch.Tensor:
+        """W + (α/r)·B A in W's dtype; with nf4, W is the dequantised base (what the adapter was trained on)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        return (self.weight.float() + self.scale * delta).to(self.weight.dtype)
+        dtype = self.weight.dtype if self.nf4 is None else self.nf4.dtype
+        return (self.base_weight(torch.float32).float() + self.scale * delta).to(dtype)
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -101,23 +133,35 @@ def check_targets(cfg, target_modules: list[str] | str, key: str = "lora.target_
 
 
 def inject_lora(model: nn.Module, target_modules: list[str] | str, r: int, alpha: float, dropout: float = 0.0,
-                modules_to_save=()) -> list[str]:
+                modules_to_save=(), quantization: str = "none") -> list[str]:
     """Freeze `model`, wrap every linear whose last name part is in `target_modules` (or every one:
-    "all-linear"), and make the weights of `modules_to_save` trainable."""
+    "all-linear"), and make the weights of `modules_to_save` trainable. quantization "nf4": the wrapped
+    layers' base weights are replaced by their 4-bit form (QLoRA; the full-precision ones are freed)."""
     names = linear_names(model)
     target_modules = resolve_targets(model, target_modules)
+    names = [n for n in names if n.rsplit(".", 1)[-1] in target_modules]
+    if quantization == "nf4":
+        _check_nf4_blocks(model, names)
     for p in model.parameters():
         p.requires_grad_(False)
-    wrapped = []
     for name in names:
-        if name.rsplit(".", 1)[-1] in target_modules:
-            parent_name, attr = name.rsplit(".", 1)
-            parent = model.get_submodule(parent_name)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout))
-            wrapped.append(name)
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout, quantization))
     for m in saved_modules(model, modules_to_save).values():
         m.weight.requires_grad_(True)
-    return wrapped
+    return names
+
+
+def _check_nf4_blocks(model: nn.Module, names: list[str]) -> None:
+    """NF4 scales whole blocks of 64 weights. bitsandbytes gives a partial last block a scale of its own; we
+    refuse it rather than carry that case through the kernels (no supported layout has one)."""
+    bad = [f"{n} ({m.out_features}×{m.in_features})" for n in names
+           if (m := model.get_submodule(n)).weight.numel() % NF4_BLOCK]
+    if bad:
+        raise LoRAConfigError(f"lora.quantization nf4 needs in_features × out_features to be a multiple of {NF4_BLOCK} "
+                              f"in every target layer; not in {', '.join(bad[:4])}. Leave those layers out of "
+                              "lora.target_modules or set lora.quantization: none")
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -168,9 +212,10 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put plain nn.Linear layers back."""
     for name, m in lora_modules(model).items():
         parent_name, attr = name.rsplit(".", 1)
-        merged = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
-                           dtype=m.weight.dtype)
-        merged.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
+        weight = m.merged_weight()
+        merged = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=weight.device,
+                           dtype=weight.dtype)
+        merged.weight = nn.Parameter(weight, requires_grad=False)
         if m.bias is not None:
             merged.bias = m.bias                            # LoRA leaves the bias as it was
         setattr(model.get_submodule(parent_name), attr, merged)

@@ -440,8 +440,10 @@ def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
     digests = [artifacts.read_manifest(p)["digest"] for p in inputs]
     for stage, tc in (("pretrain", cfg.pretrain), ("sft", cfg.sft)):
         # (global_batch_size came later: unset, it is left out so the directory stays the same; compile, a
-        # speed setting, came later too and is always left out)
-        section = tc.model_dump(mode="json", exclude={"max_steps", "log_every", "global_batch_size", "compile"})
+        # speed setting, came later too and is always left out; so did lora.quantization, left out while "none")
+        earlier = {"max_steps": True, "log_every": True, "global_batch_size": True, "compile": True,
+                   "lora": {"quantization"}}
+        section = tc.model_dump(mode="json", exclude=earlier)
         key = artifacts.sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
                                      "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
                                      "attention": cfg.attention, "inputs": digests})
@@ -454,7 +456,11 @@ def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
         assert compiled.root == ckpt.root
         lora = getattr(tc, "lora", None)          # what the loop saved as trainer_state["config"] before
         assert ckpt.run_config == {"model": model.config.to_dict() if stage == "pretrain" else None,
-                                   "lora": lora.model_dump(mode="json") if lora is not None else None,
+                                   "lora": lora.model_dump(mode="json", exclude={"quantization"}) if lora else None,
                                    "inputs": digests, "seq_len": tc.seq_len, "batch_size": tc.batch_size,
                                    "packing": tc.packing}
         assert list(ckpt.run_config) == ["model", "lora", "inputs", "seq_len", "batch_size", "packing"]
+        if lora is not None:                      # a QLoRA run is another run: its own directory and resume config
+            qlora = Checkpointer.for_stage(cfg, stage, tc.model_copy(update={"lora": lora.model_copy(
+                update={"quantization": "nf4"})}), inputs, model)
+            assert qlora.root != ckpt.root and qlora.run_config["lora"]["quantization"] == "nf4"

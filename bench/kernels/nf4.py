@@ -1,0 +1,82 @@
+"""GPU micro-benchmark: QLoRA's 4-bit base (model/quant.py, kernels/triton_nf4.py, kernels/qlora.py), bf16.
+
+  dequantize_nf4   packed NF4 + double-quantised scales → the bf16 weight, per weight shape:
+                   triton (kernels/triton_nf4.py), eager (kernels.reference), compiled (torch.compile of it);
+                   GB/s counts the bytes read (0.52 a weight) and written (2 a weight)
+  lora_linear      forward + backward (dx, dA, dB), M = 16384 rows, r = 16, no dropout, in training mode:
+                   bf16      kernels.lora_linear on the bf16 weight (the fused path "auto" takes on CUDA)
+                   nf4       kernels.nf4_lora_linear (W dequantised by Triton in forward and again in backward)
+                   peak_mem_mb counts what a step allocates beyond its inputs; resident_mb the base weight held
+
+    python -m bench.kernels.nf4
+"""
+from __future__ import annotations
+
+import torch
+import triton.testing
+
+import kernels
+from bench.kernels.rms_norm import M, measure
+from kernels import reference as ref
+from model.quant import quantize_nf4
+
+SHAPES = ((2048, 2048), (5632, 2048), (2048, 5632), (11008, 4096))     # (out, in)
+R = 16
+
+
+def _dequant_rows(out_f: int, in_f: int, gen: torch.Generator, device: str) -> list[dict]:
+    q = quantize_nf4(torch.randn(out_f, in_f, device=device, generator=gen, dtype=torch.bfloat16) * 0.02)
+    parts = (q.packed, q.absmax_codes, q.nested_absmax, q.offset, q.code, q.nested_code, torch.bfloat16)
+    from kernels.triton_nf4 import dequantize_nf4
+    torch._dynamo.reset()
+    impls = {"triton": lambda: dequantize_nf4(*parts), "eager": lambda: ref.dequantize_nf4(*parts),
+             "compiled": torch.compile(lambda: ref.dequantize_nf4(*parts), dynamic=False)}
+    rows = []
+    n = out_f * in_f
+    for impl, fn in impls.items():
+        fn()
+        ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        rows.append({"op": "dequantize_nf4", "shape": f"{out_f}x{in_f}", "dtype": "bfloat16", "impl": impl,
+                     "ms": round(ms, 4), "gb_per_s": round((q.nbytes + 2 * n) / ms / 1e6, 1)})
+    return rows
+
+
+def _linear_rows(out_f: int, in_f: int, gen: torch.Generator, device: str) -> list[dict]:
+    dtype = torch.bfloat16
+    x = torch.randn(M, in_f, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    w = torch.randn(out_f, in_f, device=device, dtype=dtype, generator=gen) * in_f ** -0.5
+    a = (torch.randn(R, in_f, device=device, dtype=dtype, generator=gen) * in_f ** -0.5).requires_grad_(True)
+    b = (torch.randn(out_f, R, device=device, dtype=dtype, generator=gen) * R ** -0.5).requires_grad_(True)
+    dy = torch.randn(M, out_f, device=device, dtype=dtype, generator=gen)
+    q = quantize_nf4(w)
+    impls = {"bf16": (lambda x, a, b: kernels.lora_linear(x, w, a, b, 2.0, 0.0, True), w.nbytes),
+             "nf4": (lambda x, a, b: kernels.nf4_lora_linear(x, q, a, b, 2.0, 0.0, True), q.nbytes)}
+    rows = []
+    for impl, (fn, resident) in impls.items():
+        ms, peak_mb = measure(fn, (x, a, b), (dy,))
+        rows.append({"op": "lora_linear", "shape": f"{M}x{in_f}->{out_f}", "r": R, "dtype": "bfloat16",
+                     "impl": impl, "ms": round(ms, 4), "peak_mem_mb": round(peak_mb, 1),
+                     "resident_mb": round(resident / 2**20, 2)})
+    bf16_ms = rows[0]["ms"]
+    for row in rows:
+        row["ratio_vs_bf16"] = round(row["ms"] / bf16_ms, 3)
+    return rows
+
+
+def bench(device: str = "cuda") -> list[dict]:
+    gen = torch.Generator(device).manual_seed(0)
+    rows = []
+    for out_f, in_f in SHAPES:
+        rows += _dequant_rows(out_f, in_f, gen, device)
+    for out_f, in_f in SHAPES[:3]:
+        rows += _linear_rows(out_f, in_f, gen, device)
+    return rows
+
+
+if __name__ == "__main__":
+    from bench.common import write_result
+    with kernels.using("auto"):
+        rows = bench()
+    for row in rows:
+        print(row)
+    print("->", write_result("kernels_nf4", {"rows": rows}))

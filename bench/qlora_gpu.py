@@ -8,11 +8,14 @@ Same packed rows for every provider (8 × 2048, skewed lengths, answer-only labe
                      from_pretrained with BitsAndBytesConfig(nf4, double quant, bf16 compute) (bnb
                      Linear4bit), Liger kernels, PEFT LoRA, the packed rows padding-free (position_ids,
                      flex_attention), as bench/anchors.py's anchor (a)
-Sizes: 1b (bench.workloads.SIZES) and 8b-stack (Llama-3-8B's layer shape, 8 of its 32 layers).
+Sizes: 1b (bench.workloads.SIZES), 8b (Llama-3-8B's shape, vocab 32000) and 8b-stack (8 of its 32 layers).
+--checkpointing recomputes each decoder block in backward on every side (our `activation_checkpointing`,
+transformers' gradient_checkpointing_enable, non-reentrant): activations shrink and the base weights'
+memory decides the peak.
 Reported per provider: bench.workloads.WARMUP_RULE timing (p20/p50/p80), real tokens/s, peak memory, and the
 memory the model holds before its first step (resident).
 
-    python -m bench.qlora_gpu [--sizes 1b,8b-stack] [--steps 10] [--smoke]
+    python -m bench.qlora_gpu [--sizes 1b,8b-stack,8b] [--steps 10] [--checkpointing] [--smoke]
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import inject_lora
 
-SIZES.setdefault("8b-stack", dict(hidden_size=4096, num_layers=8, num_heads=32, num_kv_heads=8,
-                                  intermediate_size=14336))
+SIZES.setdefault("8b", dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336))
+SIZES.setdefault("8b-stack", {**SIZES["8b"], "num_layers": 8})
 PROVIDERS = ("ours_nf4", "ours_bf16", "hf_bnb_liger")
 BNB = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
 
@@ -49,13 +52,13 @@ def _frozen_dtype(device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32     # --smoke on the CPU: fp32, no autocast
 
 
-def ours(cfg, device, quantization: str):
-    model = our_model(cfg, device).to(_frozen_dtype(device))
+def ours(cfg, device, quantization: str, checkpointing: bool):
+    model = our_model(cfg, device, checkpointing).to(_frozen_dtype(device))
     inject_lora(model, TARGETS, r=64, alpha=128, quantization=quantization)
     return _fp32_adapter(model)
 
 
-def hf_bnb(cfg, device, cuda: bool):
+def hf_bnb(cfg, device, cuda: bool, checkpointing: bool):
     """bnb 4-bit Llama through from_pretrained (the user's path), Liger, PEFT. Call inside anchors.liger_llama()."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -69,6 +72,8 @@ def hf_bnb(cfg, device, cuda: bool):
             device_map={"": device.index or 0} if cuda else None, use_cache=False)
     apply_liger_kernel_to_llama(rope=True, rms_norm=cuda, swiglu=cuda, cross_entropy=False,
                                 fused_linear_cross_entropy=True, model=base)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return _fp32_adapter(hf_peft(cfg, device, base=base))
 
 
@@ -79,10 +84,10 @@ def run(name, size, src, args, device, vocab, seq_len) -> dict:
     cuda = device.type == "cuda"
     with anchors.liger_llama(), kernels.using("auto", "auto"):
         if name == "hf_bnb_liger":
-            model = hf_bnb(cfg, device, cuda)
+            model = hf_bnb(cfg, device, cuda, args.checkpointing)
             loss_of = anchors.liger_sft_loss(model)
         else:
-            model = ours(cfg, device, "nf4" if name == "ours_nf4" else "none")
+            model = ours(cfg, device, "nf4" if name == "ours_nf4" else "none", args.checkpointing)
             loss_of = lambda b: causal_lm_loss(model, b)[0]     # noqa: E731
         opt = build_optimizer(model, 2e-4, 0.0, fused=cuda)
         resident = torch.cuda.memory_allocated() / 2**30 if cuda else None
@@ -95,6 +100,7 @@ def main() -> None:
     ap.set_defaults(sizes="1b,8b-stack")
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--max-warmup", type=int, default=8)
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on every side")
     args = ap.parse_args()
     sizes, device, vocab, seq_len = setup(args)
     if args.smoke:
@@ -132,10 +138,10 @@ def main() -> None:
             rows["nf4_vs_bnb"] = {"speed": a["real_tokens_per_s"] / b["real_tokens_per_s"],
                                   "peak_memory": (a["peak_mem_gb"] or 0) / (b["peak_mem_gb"] or 1)}
         print(json.dumps({k: v for k, v in rows.items() if k.startswith("nf4_")}), flush=True)
-    path = write_result(result_name("qlora_gpu", args), {
+    path = write_result(result_name("qlora_gpu" + ("_checkpointing" if args.checkpointing else ""), args), {
         "workload": "LoRA SFT r64 a128 on 7 projections (fp32 adapter), frozen weights bf16, bf16 autocast, "
                     "packed 8 x seq_len rows, skewed lengths, answer-only labels",
-        "bnb_config": {**BNB, "bnb_4bit_compute_dtype": "bfloat16"}, "warmup_rule": WARMUP_RULE,
+        "activation_checkpointing": args.checkpointing, "bnb_config": {**BNB, "bnb_4bit_compute_dtype": "bfloat16"}, "warmup_rule": WARMUP_RULE,
         "shapes": {s: SIZES[s] for s in sizes}, "seq_len": seq_len, "results": results})
     print("->", path)
 

@@ -72,6 +72,7 @@ def hf_bnb(cfg, device, cuda: bool, checkpointing: bool):
             device_map={"": device.index or 0} if cuda else None, use_cache=False)
     apply_liger_kernel_to_llama(rope=True, rms_norm=cuda, swiglu=cuda, cross_entropy=False,
                                 fused_linear_cross_entropy=True, model=base)
+    base.train()                    # from_pretrained gives eval mode, where checkpointing is off
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return _fp32_adapter(hf_peft(cfg, device, base=base))
@@ -91,6 +92,8 @@ def run(name, size, src, args, device, vocab, seq_len) -> dict:
             loss_of = lambda b: causal_lm_loss(model, b)[0]     # noqa: E731
         opt = build_optimizer(model, 2e-4, 0.0, fused=cuda)
         resident = torch.cuda.memory_allocated() / 2**30 if cuda else None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()    # the peak of training, not of building (fp32 init)
         res = timed_steps(train_step(loss_of, opt, device), batches, device, args.steps, max_warmup=args.max_warmup)
     return {**res, "resident_gb": resident}
 

@@ -11,7 +11,9 @@ Exceptions "auto" makes, from those measurements (H200, bf16, 16k tokens):
   rms_norm     with a trainable weight and rows < 1024 wide the Triton backward's dweight reduction
                lost to eager (1.29×); frozen weights (LoRA) or wide rows: Triton wins (0.39–0.48×)
   lora_linear  with dropout the Triton RNG kernel lost to torch dropout + cuBLAS (1.9× slower); the
-               fused cuBLAS-accumulating path without dropout is 1.2–1.4× the frozen GEMM, PEFT 1.5–2×
+               fused cuBLAS-accumulating path without dropout is 1.2–1.4× the frozen GEMM, PEFT 1.5–2×;
+               the rank-r product folded into a Triton GEMM's epilogue (kernels/triton_lora_gemm.py)
+               lost to it, 1.31–1.90× the frozen GEMM (its GEMM is 1.27–1.78× cuBLAS's): not taken
 
 dequantize_nf4 (QLoRA's 4-bit base): Triton on CUDA, 1.35–1.7× faster than torch.compile of the reference
 and 11–17× than eager (1.3–3.1 TB/s from 2048² to 11008×4096 weights; bench/results/kernels_nf4_*.json).

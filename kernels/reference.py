@@ -90,6 +90,11 @@ def scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
     return out.addmm_(m1, m2, beta=0, alpha=alpha)
 
 
+def lora_gemm(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """a·b + scale·(p·q) in fp32, rounded once to a's dtype (kernels/triton_lora_gemm.py's specification)."""
+    return (a.float() @ b.float() + scale * (p.float() @ q.float())).to(a.dtype)
+
+
 NF4_BLOCK, NESTED_BLOCK = 64, 256      # weights per absmax; absmaxes per nested (fp32) absmax
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import scaled_mm
+from kernels.triton_lora_gemm import MAX_RANK, lora_gemm
 
 # jit functions are bound to the interpreter at import time, so decide once, here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -284,6 +285,14 @@ def _dropout_up(dxa, a, bits, factor):
 # Autograd
 # ---------------------------------------------------------------------------------------------
 
+FOLD_INTO_GEMM = False     # the rank-r product in the base GEMM's epilogue (kernels/triton_lora_gemm.py); see kernels/__init__
+
+
+def _folds(bits, a: torch.Tensor) -> bool:
+    """Without dropout (its mask is applied between the two LoRA GEMMs), up to MAX_RANK."""
+    return FOLD_INTO_GEMM and bits is None and a.shape[0] <= MAX_RANK
+
+
 class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_a, lora_b, scale, p):
@@ -295,8 +304,11 @@ class LoRALinearFunction(torch.autograd.Function):
             xa, bits = _dropout_down(x2, a, dropout_seed(x.device), p)
         else:
             xa, bits = torch.mm(x2, a.t()), None
-        y = scaled_mm(xa, lora_b.t(), scale)
-        y.addmm_(x2, weight.t())                 # the base GEMM accumulates onto the LoRA term
+        if _folds(bits, a):
+            y = lora_gemm(x2, weight.t(), xa, lora_b.t(), scale)
+        else:
+            y = scaled_mm(xa, lora_b.t(), scale)
+            y.addmm_(x2, weight.t())             # the base GEMM accumulates onto the LoRA term
         ctx.save_for_backward(x2, weight, a, lora_b, xa, bits)
         ctx.scale, ctx.p, ctx.x_shape = scale, p, x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -316,7 +328,9 @@ class LoRALinearFunction(torch.autograd.Function):
                 dxa = torch.mm(dy2, b)
             if need_a:
                 da = scaled_mm(dxa.t(), x2, scale) if bits is None else _dropout_grad_a(dxa, x2, bits, factor)
-            if need_x:
+            if need_x and _folds(bits, a):
+                dx = lora_gemm(dy2, weight, dxa, a, scale).view(ctx.x_shape)
+            elif need_x:
                 dx = scaled_mm(dxa, a, scale) if bits is None else _dropout_up(dxa, a, bits, factor)
                 dx = dx.addmm_(dy2, weight).view(ctx.x_shape)
         return dx, None, da, db, None, None

@@ -141,7 +141,7 @@ def inject_lora(model: nn.Module, target_modules: list[str] | str, r: int, alpha
     target_modules = resolve_targets(model, target_modules)
     names = [n for n in names if n.rsplit(".", 1)[-1] in target_modules]
     if quantization == "nf4":
-        _check_nf4_blocks(model, names)
+        check_nf4_blocks(model, names)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
@@ -153,13 +153,14 @@ def inject_lora(model: nn.Module, target_modules: list[str] | str, r: int, alpha
     return names
 
 
-def _check_nf4_blocks(model: nn.Module, names: list[str]) -> None:
+def check_nf4_blocks(model: nn.Module, names: list[str], key: str = "lora.quantization") -> None:
     """NF4 scales whole blocks of 64 weights. bitsandbytes gives a partial last block a scale of its own; we
-    refuse it rather than carry that case through the kernels (no supported layout has one)."""
+    refuse it rather than carry that case through the kernels (no supported layout has one). `model` may
+    live on the meta device (engine/preflight.py checks before any training)."""
     bad = [f"{n} ({m.out_features}×{m.in_features})" for n in names
            if (m := model.get_submodule(n)).weight.numel() % NF4_BLOCK]
     if bad:
-        raise LoRAConfigError(f"lora.quantization nf4 needs in_features × out_features to be a multiple of {NF4_BLOCK} "
+        raise LoRAConfigError(f"{key} nf4 needs in_features × out_features to be a multiple of {NF4_BLOCK} "
                               f"in every target layer; not in {', '.join(bad[:4])}. Leave those layers out of "
                               "lora.target_modules or set lora.quantization: none")
 

@@ -214,6 +214,19 @@ def test_a_two_rank_ddp_checkpoint_resumes_in_one_process(prepared, sft_runs):
     assert m["val_losses"][:3] == ok(two)["val_losses"] and m["last_step"] == 8
 
 
+
+def test_qlora_sft_with_ddp_on_two_ranks_matches_one_process(prepared):
+    """The 4-bit base is no parameter or buffer: each rank quantises the same base weights itself (nothing
+    broadcast), and DDP averages the adapter's gradients as for a plain LoRA."""
+    nf4 = {"sft.lora.quantization": "nf4", "sft.max_steps": 4}
+    one, two = engine(prepared, "sft", "q-one", **nf4), engine(prepared, "sft", "q-two", ranks=2, **nf4)
+    m1, m2 = ok(one), ok(two)
+    assert (m2["world_size"], m2["strategy"]) == (2, "ddp")
+    assert close(losses(two), losses(one))
+    same_weights(two.out / "adapter.safetensors", one.out / "adapter.safetensors")
+    assert json.loads((two.out / "adapter.json").read_text())["quantization"] == "nf4"
+
+
 # ---------------------------------------------------------------- failures
 
 @pytest.mark.parametrize("kind", ["bug", "user"])

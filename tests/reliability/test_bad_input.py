@@ -249,3 +249,16 @@ def test_a_user_error_in_the_flow_is_one_line_and_not_retried(workdir):
     assert out.count("Finished in state DataError") == 1, out[-3000:]       # one attempt: not retried
     assert "Retry 1/" not in out and "Retries are exhausted" not in out
     assert [p for p in changed(before, snapshot(workdir)) if not p.endswith((".lock", "/runs/case"))] == []
+
+
+def test_a_layer_nf4_cannot_hold_is_named_before_any_training(tmp_path):
+    """lora.quantization nf4 scales whole 64-weight blocks: a 36 × 36 q_proj (1,296 weights) is refused by
+    preflight, naming the key and the layer, before the data stage."""
+    from configs import load_config
+    from engine.preflight import preflight
+    from model.lora import LoRAConfigError
+    shape = {"model.hidden_size": 36, "model.num_heads": 3, "model.num_kv_heads": 3, "serve.enabled": False,
+             "runs_dir": str(tmp_path)}
+    preflight(load_config("tiny", shape))                                       # fine without quantization
+    with pytest.raises(LoRAConfigError, match=r"dpo\.lora\.quantization nf4 .*q_proj \(36×36\)"):
+        preflight(load_config("tiny", {**shape, "dpo.lora.quantization": "nf4"}))

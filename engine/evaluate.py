@@ -135,6 +135,21 @@ def _generate(model, prompt: list[int], max_new_tokens: int, stop: set[int]) -> 
     return out
 
 
+def _cropped_then_batches(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int],
+                          batch_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The answers so far (prompts that would outgrow max_seq_len decoded one token at a time, cropped as
+    Decoder.generate crops) and the other prompts' indices in batches, sorted by length."""
+    out: list[list[int]] = [[] for _ in prompts]
+    short = []
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens - 1 > model.config.max_seq_len:     # the last step's input would be cropped
+            out[i] = _generate(model, p, max_new_tokens, stop)
+        else:
+            short.append(i)
+    short.sort(key=lambda i: len(prompts[i]))
+    return out, [short[s:s + batch_size] for s in range(0, len(short), batch_size)]
+
+
 def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: "int | Iterable[int] | None",
                   batch_size: int = 32) -> list[list[int]]:
     """Decoder.generate's greedy tokens for many prompts at once, batched, with a KV cache.
@@ -151,19 +166,10 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
     argmax there).
     """
     stop = _stop_set(eos_id)
-    out: list[list[int]] = [[] for _ in prompts]
-    limit = model.config.max_seq_len
     device = _device(model)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    short = []
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens - 1 > limit:       # the last step's input would be cropped
-            out[i] = _generate(model, p, max_new_tokens, stop)
-        else:
-            short.append(i)
-    short.sort(key=lambda i: len(prompts[i]))
-    for s in range(0, len(short), batch_size):
-        idx = short[s:s + batch_size]
+    out, batches = _cropped_then_batches(model, prompts, max_new_tokens, stop, batch_size)
+    for idx in batches:
         lens = torch.tensor([len(prompts[i]) for i in idx], device=device)
         width = int(lens.max())
         buf = torch.zeros(len(idx), width, dtype=torch.long, device=device)

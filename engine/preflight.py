@@ -17,7 +17,7 @@ from engine import dist
 from data.prepare import base_tokenizer_files, check_user_paths
 from data.tokenizer import load_tokenizer
 from model.hf import check_tokenizer_fits, check_weights, read_hf_config
-from model.lora import check_nf4_blocks, check_targets, linear_names, resolve_targets
+from model.lora import check_nf4_blocks, check_targets, target_names
 from model.model import Decoder, DecoderConfig
 
 
@@ -52,10 +52,8 @@ def preflight(cfg: Config) -> None:
 def _check_quantizable(cfg: Config, layout: DecoderConfig) -> None:
     """lora.quantization nf4: every target layer's weight splits into whole 64-weight blocks (a model on the
     meta device: shapes only, no memory)."""
+    with torch.device("meta"):
+        model = Decoder(layout)
     for key, lora in (("sft.lora.quantization", cfg.sft.lora), ("dpo.lora.quantization", cfg.dpo.lora)):
-        if lora.quantization == "none":
-            continue
-        with torch.device("meta"):
-            model = Decoder(layout)
-        targets = resolve_targets(model, lora.target_modules)
-        check_nf4_blocks(model, [n for n in linear_names(model) if n.rsplit(".", 1)[-1] in targets], key)
+        if lora.quantization == "nf4":
+            check_nf4_blocks(model, target_names(model, lora.target_modules), key)

@@ -132,14 +132,18 @@ def check_targets(cfg, target_modules: list[str] | str, key: str = "lora.target_
                               f"supported: {supported} or {ALL_LINEAR!r}")
 
 
+def target_names(model: nn.Module, target_modules: list[str] | str) -> list[str]:
+    """The paths of the linear layers `target_modules` wraps in `model`."""
+    targets = resolve_targets(model, target_modules)
+    return [n for n in linear_names(model) if n.rsplit(".", 1)[-1] in targets]
+
+
 def inject_lora(model: nn.Module, target_modules: list[str] | str, r: int, alpha: float, dropout: float = 0.0,
                 modules_to_save=(), quantization: str = "none") -> list[str]:
     """Freeze `model`, wrap every linear whose last name part is in `target_modules` (or every one:
     "all-linear"), and make the weights of `modules_to_save` trainable. quantization "nf4": the wrapped
     layers' base weights are replaced by their 4-bit form (QLoRA; the full-precision ones are freed)."""
-    names = linear_names(model)
-    target_modules = resolve_targets(model, target_modules)
-    names = [n for n in names if n.rsplit(".", 1)[-1] in target_modules]
+    names = target_names(model, target_modules)
     if quantization == "nf4":
         check_nf4_blocks(model, names)
     for p in model.parameters():

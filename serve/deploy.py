@@ -24,8 +24,8 @@ keeps the live server: it is only smoke-tested again, through the endpoint.
 
 A killed promotion (kill -9 of the stage) is settled by a watchdog started beside each candidate
 (`python -m serve.watchdog`): it blocks on a pipe only the promoting process holds; when the pipe closes
-without the promotion's "done" and that process is gone, it takes the lock and undoes what the promotion left (nginx back on the active
-server, the candidate stopped, the record cleaned). Every later command settles such leftovers as well
+without the promotion's "done" and that process is gone, it takes the lock and undoes what the promotion
+left (nginx back on the active server, the candidate stopped, the record cleaned). Every later command settles such leftovers as well
 (in case the watchdog died too): whoever holds the lock is the only promotion running.
 
 The record (server.json): endpoint, host, port; proxy {pid, home}; active / candidate (a server: pid,

@@ -25,24 +25,24 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s watchdog %(message)s")
     log = logging.getLogger("glm_lora")
     log.info("watching promoting process %s for %s", owner["pid"], dep.root)
-    received, pipe_open = b"", True
-    while deploy.owner_alive(owner):
-        if not pipe_open:
-            time.sleep(0.1)         # the pipe closed without DONE: the process is dying
-            continue
+    received = b""
+    while True:                     # read before looking at the process: a finished one may have left DONE unread
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
-        if ready:
-            chunk = os.read(sys.stdin.fileno(), 4096)
-            received += chunk
-            if deploy.WATCHDOG_DONE in received:
-                log.info("the promotion ended in its process %s; nothing to settle", owner["pid"])
-                return 0
-            pipe_open = bool(chunk)
+        chunk = os.read(sys.stdin.fileno(), 4096) if ready else None
+        received += chunk or b""
+        if deploy.WATCHDOG_DONE in received:
+            log.info("the promotion ended in its process %s; nothing to settle", owner["pid"])
+            return 0
+        if chunk == b"" or not deploy.owner_alive(owner):     # closed without DONE, or gone: it died
+            break
+    while deploy.owner_alive(owner):                          # dying: its files close before /proc says so
+        time.sleep(0.1)
     log.info("the promoting process %s died; settling %s", owner["pid"], dep.root)
     with deploy.locked(dep, wait_s=float("inf")):
         deploy.settle(dep, deploy.read_record(dep))
     log.info("settled %s", dep.root)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

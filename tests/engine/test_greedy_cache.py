@@ -7,27 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.evaluate import _generate, _stop_set, greedy_decode
+from engine.evaluate import _cropped_then_batches, _generate, _stop_set, greedy_decode
 from model import Decoder, DecoderConfig, inject_lora
 from model.model import LAYOUTS, KVCache
 
 
 def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size=32):
-    """The previous engine.evaluate.greedy_decode (before the KV cache), verbatim but for this docstring."""
+    """The previous engine.evaluate.greedy_decode (before the KV cache): its batched loop verbatim."""
     stop = _stop_set(eos_id)
-    out = [[] for _ in prompts]
-    limit = model.config.max_seq_len
     device = model.lm_head.weight.device
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    short = []
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens - 1 > limit:
-            out[i] = _generate(model, p, max_new_tokens, stop)
-        else:
-            short.append(i)
-    short.sort(key=lambda i: len(prompts[i]))
-    for s in range(0, len(short), batch_size):
-        idx = short[s:s + batch_size]
+    out, batches = _cropped_then_batches(model, prompts, max_new_tokens, stop, batch_size)   # shared, not tested here
+    for idx in batches:
         lens = torch.tensor([len(prompts[i]) for i in idx], device=device)
         buf = torch.zeros(len(idx), int(lens.max()) + max_new_tokens, dtype=torch.long, device=device)
         for r, i in enumerate(idx):

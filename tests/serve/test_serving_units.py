@@ -220,9 +220,10 @@ def _fake_vllm(model_dir: Path) -> subprocess.Popen:
                              "--model", str(model_dir)], start_new_session=True)
 
 
-@pytest.mark.parametrize("end", ["done", "killed", "pipe_closes_before_death"])
+@pytest.mark.parametrize("end", ["done", "done_then_exit", "killed", "pipe_closes_before_death"])
 def test_the_watchdog_undoes_a_promotion_only_if_its_process_died(tmp_path, end):
-    """done: the promotion ended in its live process (it writes "done", then closes the pipe): nothing to undo.
+    """done: the promotion ended in its live process (it writes "done", then closes the pipe): nothing to undo;
+    done_then_exit: the same, and the process exits at once, before the watchdog has read "done".
     killed: the process died, its pipe closed. pipe_closes_before_death: a kill -9 closes the process's files
     before /proc shows it dead; the pipe closes without "done" while the process still looks alive."""
     from serve_helpers import free_port
@@ -239,16 +240,19 @@ def test_the_watchdog_undoes_a_promotion_only_if_its_process_died(tmp_path, end)
         if end == "killed":
             promoting.kill()
             promoting.wait()
-        if end == "done":
+        if end.startswith("done"):
             watchdog.stdin.write(deploy.WATCHDOG_DONE)
         watchdog.stdin.close()
+        if end == "done_then_exit":
+            promoting.kill()
+            promoting.wait()
         if end == "pipe_closes_before_death":
             time.sleep(2)
             assert watchdog.poll() is None, "the watchdog left while the promoting process was dying"
             promoting.kill()
             promoting.wait()
         assert watchdog.wait(timeout=60) == 0
-        if end == "done":
+        if end.startswith("done"):
             assert candidate.poll() is None and orphan.poll() is None
             assert json.loads(dep.record.read_text())["candidate"]["pid"] == candidate.pid
         else:

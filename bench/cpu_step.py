@@ -54,8 +54,9 @@ def sft_setup(run: Path, runs_dir: Path):
 
 
 class Variant:
-    def __init__(self, name: str, base, tc, threads: int, compile: bool, runs_dir: Path):
+    def __init__(self, name: str, base, tc, threads: int, compile: bool, runs_dir: Path, bf16: bool = False):
         self.name, self.threads, self.tc = name, threads, tc
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
         self.model = copy.deepcopy(base)
         self.opt = build_optimizer(self.model, tc.lr, tc.weight_decay,
                                    lora_b_lr_ratio=tc.lora.b_lr_ratio)
@@ -72,7 +73,8 @@ class Variant:
         t = time.perf_counter()
         for g in self.opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
-        loss, m = causal_lm_loss(self.model, batch)
+        with self.autocast:
+            loss, m = causal_lm_loss(self.model, batch)
         values = torch.stack([loss.detach(), *(torch.as_tensor(v).float() for v in m.values())]).tolist()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.trainable, tc.grad_clip)
@@ -162,7 +164,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120, help="wall time of the interleaved A/B")
     ap.add_argument("--min-steps", type=int, default=100, help="interleaved rounds at least (loss agreement)")
     ap.add_argument("--profile", action="store_true", help="also print the top ATen ops of the eager step")
-    ap.add_argument("--variants", default="eager-2t,compiled-2t,eager-1t,compiled-1t")
+    ap.add_argument("--variants", default="eager-2t,compiled-2t,eager-1t,compiled-1t",
+                    help="kind[-bf16]-Nt, comma-separated; the first is the baseline")
     args = ap.parse_args()
     cfg, tc, data, batches, base = sft_setup(args.run, args.runs_dir)
     started = time.perf_counter()
@@ -174,8 +177,9 @@ def main() -> None:
         print(key, "(ms/step, median):", out[key]["ms_per_step_median"])
     variants = []
     for name in args.variants.split(","):
-        kind, threads = name.split("-")
-        variants.append(Variant(name, base, tc, int(threads[:-1]), kind == "compiled", args.runs_dir))
+        kind, *precision, threads = name.split("-")       # e.g. compiled-bf16-2t: bf16 autocast (AMX matmuls)
+        variants.append(Variant(name, base, tc, int(threads[:-1]), kind == "compiled", args.runs_dir,
+                                bf16=precision == ["bf16"]))
     step, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < args.seconds or step < args.min_steps:
         batch = next(batches)

@@ -64,7 +64,22 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention, optionally confined to documents. q (B, H, T, D); k, v (B, Hkv, T, D)."""
+    """Causal attention, optionally confined to documents. q (B, H, T, D); k, v (B, Hkv, T, D).
+
+    Under autocast on the CPU it runs in fp32 (output in q's dtype): the bf16 CPU flash-attention
+    backward took ~4.5x the fp32 one's time at the tiny default's shapes (bench/RESULTS.md, "Two cores:
+    bf16"), while the matmuls around it gain from bf16 (AMX)."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return attention_in_fp32(q, k, v, mask)
+    return _attention(q, k, v, mask)
+
+
+def attention_in_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    with torch.autocast(q.device.type, enabled=False):
+        return _attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

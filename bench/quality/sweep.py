@@ -48,6 +48,12 @@ def run_job(job: dict, out: Path) -> None:
     sft.eval_tasks = with_fixed(sft.eval_tasks)
     dpo.eval_preferences = with_fixed(dpo.eval_preferences)
     kernels.using(cfg.kernels, cfg.attention).__enter__()     # this process runs one job: for its whole life
+    if job.get("cpu_attention"):    # as on the CPU under bf16 autocast: attention in fp32 (kernels/reference.py)
+        import torch
+        import kernels.reference as ref
+        eager = ref.attention
+        ref.attention = lambda q, k, v, m: (ref.attention_in_fp32(q, k, v, m) if torch.is_autocast_enabled(q.device.type)
+                                            else eager(q, k, v, m))
     base = HERE / job.get("base", ".")
     data = HERE / job.get("data", "data")
     t = time.time()

@@ -19,7 +19,7 @@ def test_every_preset_validates_and_sets_its_run_name(name):
 
 def test_preset_values_come_from_the_yaml_not_the_defaults():
     cfg = load_config("tiny")
-    assert (cfg.device, cfg.precision) == ("cpu", "fp32")
+    assert (cfg.device, cfg.precision) == ("cpu", "auto")
     assert cfg.sft.lora.r == 32 and cfg.dpo.lora.r == 16
     assert cfg.dpo.lr == 5e-4                      # yaml beats DPOConfig(lr=5e-5) default
     assert load_config("small").model.num_kv_heads == 12

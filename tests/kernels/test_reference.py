@@ -168,3 +168,19 @@ def test_lora_linear_dropout_only_on_adapter_path_and_only_in_training():
     xd = F.dropout(x, 0.5, True)
     torch.testing.assert_close(y, x @ W.T + 1.5 * (xd @ A.T) @ Bm.T)
     assert not torch.allclose(y, plain)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_under_cpu_autocast_runs_in_fp32(masked):
+    """bf16 autocast on the CPU: attention's own arithmetic stays fp32 (its bf16 backward is slow there);
+    the result is fp32 attention of the bf16 inputs, returned in bf16, with gradients to the inputs."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, s, 16, 8).bfloat16().requires_grad_() for s in (4, 2, 2))
+    mask = ref.document_causal_mask(torch.tensor([[0] * 9 + [1] * 7] * 2)) if masked else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ref.attention(q, k, v, mask)
+    want = ref._attention(q.detach().float(), k.detach().float(), v.detach().float(), mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=0, atol=0)
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 and t.grad.abs().sum() > 0 for t in (q, k, v))

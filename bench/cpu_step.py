@@ -8,7 +8,8 @@ the engine runs it (LoRA r32 + embed/lm_head trained, 8 packed rows of 128 token
 1. Profile (eager, 2 and 1 threads): milliseconds per step in data, forward, host copy of the metrics, backward and
    optimizer (clip + step + zero_grad); with --profile the top ATen ops too.
 2. Variants, interleaved step by step on the same batches so that other load on the machine hits them alike:
-   eager / compiled (engine/compile.py) x 2 / 1 threads. Each has its own copy of the model and optimizer
+   eager / compiled (engine/compile.py) x 2 / 1 threads, optionally bf16 autocast and fused AdamW
+   (`--variants compiled-2t,compiled-bf16-fused-2t`). Each has its own copy of the model and optimizer
    from the same start; the table gives median and mean step time (a stage's wall time is the mean's: on a
    shared machine the 2-thread steps have long tails), steps/s, real tokens/s, the ratio to eager with 2
    threads, the first step's time (compile included) and the largest loss difference to eager-2-threads over
@@ -54,11 +55,12 @@ def sft_setup(run: Path, runs_dir: Path):
 
 
 class Variant:
-    def __init__(self, name: str, base, tc, threads: int, compile: bool, runs_dir: Path, bf16: bool = False):
+    def __init__(self, name: str, base, tc, threads: int, compile: bool, runs_dir: Path, bf16: bool = False,
+                 fused: bool = False):
         self.name, self.threads, self.tc = name, threads, tc
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
         self.model = copy.deepcopy(base)
-        self.opt = build_optimizer(self.model, tc.lr, tc.weight_decay,
+        self.opt = build_optimizer(self.model, tc.lr, tc.weight_decay, fused=fused,
                                    lora_b_lr_ratio=tc.lora.b_lr_ratio)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.ctx = compiled_training(self.model, compile, device=torch.device("cpu"), runs_dir=runs_dir, name=name)
@@ -165,7 +167,8 @@ def main() -> None:
     ap.add_argument("--min-steps", type=int, default=100, help="interleaved rounds at least (loss agreement)")
     ap.add_argument("--profile", action="store_true", help="also print the top ATen ops of the eager step")
     ap.add_argument("--variants", default="eager-2t,compiled-2t,eager-1t,compiled-1t",
-                    help="kind[-bf16]-Nt, comma-separated; the first is the baseline")
+                    help="kind[-bf16][-fused]-Nt (eager|compiled; bf16 autocast; fused AdamW), comma-separated; "
+                         "the first is the baseline")
     args = ap.parse_args()
     cfg, tc, data, batches, base = sft_setup(args.run, args.runs_dir)
     started = time.perf_counter()
@@ -177,9 +180,9 @@ def main() -> None:
         print(key, "(ms/step, median):", out[key]["ms_per_step_median"])
     variants = []
     for name in args.variants.split(","):
-        kind, *precision, threads = name.split("-")       # e.g. compiled-bf16-2t: bf16 autocast (AMX matmuls)
+        kind, *options, threads = name.split("-")   # e.g. compiled-bf16-fused-2t: bf16 autocast, fused AdamW
         variants.append(Variant(name, base, tc, int(threads[:-1]), kind == "compiled", args.runs_dir,
-                                bf16=precision == ["bf16"]))
+                                bf16="bf16" in options, fused="fused" in options))
     step, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < args.seconds or step < args.min_steps:
         batch = next(batches)

@@ -11,15 +11,18 @@ from flows.cli import run_one_stage
 pytestmark = pytest.mark.slow
 
 # Measured on the default (README): stated here, checked below.
+# The same seed lands differently from run to run on the CPU (bf16 rounding through 4500 steps: the fresh-clone
+# flow and this test, both seed 0, gave SFT exact match 0.92 and 0.96), so the floors sit just below the
+# lowest of the 9-seed GPU sweep and of the CPU runs, not at their medians.
 FLOORS = {
     "pretrain_perplexity_drop": 5.0,        # held-out perplexity at init / after pretraining
     "sft_val_loss_drop": 1.0,               # first → best SFT validation loss (nats per answer token)
-    "sft_exact_match": 0.93,                # mean over the 10 families (CPU default run 0.96; GPU sweep of the same
+    "sft_exact_match": 0.89,                # mean over the 10 families (CPU runs 0.92, 0.96; GPU sweep of the same
                                             # recipe in bf16, median of 9 seeds 0.95, range 0.905–0.975)
-    "sft_lowest_family": 0.75,              # the weakest family, add or sub (CPU run 0.85; sweep median 0.80)
+    "sft_lowest_family": 0.65,              # the weakest family, add or sub (CPU runs 0.70, 0.85; sweep 0.70–0.90)
     "sft_string_families": 0.95,            # copy/reverse, en + zh (measured 1.0)
-    "dpo_implicit_reward_accuracy": 0.88,   # CPU default run 0.925; GPU sweep median 0.91 (0.885–0.95)
-    "dpo_exact_match_loss": 0.02,           # DPO may cost at most this much exact match (CPU run 1.5 points;
+    "dpo_implicit_reward_accuracy": 0.86,   # CPU runs 0.945, 0.925; GPU sweep median 0.91 (0.885–0.95)
+    "dpo_exact_match_loss": 0.025,          # DPO may cost at most this much exact match (CPU runs +1, −1.5 points;
                                             # sweep −2…+2.5, median 0)
 }
 

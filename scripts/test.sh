@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need (both virtualenvs), then runs the whole suite,
-# including the end-to-end DAG test with vLLM. Extra args go to pytest (e.g. -m "not slow").
+# including the end-to-end DAG test with vLLM. Extra args go to pytest (e.g. -m "not slow", -n 0 for one process).
+# Two pytest-xdist workers, one module each at a time, longest modules first (tests/conftest.py): the default
+# DAG's quality run (~12 min) runs beside the rest instead of after it; each worker gets half the cores.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 bash scripts/setup.sh
 source scripts/env.sh
 set +e
-python -m pytest -q "$@"
+python -m pytest -q -n "${GLM_LORA_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi

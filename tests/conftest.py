@@ -17,3 +17,25 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadscope`) each worker gets its share of the cores, so two
+# workers on a 2-core machine don't oversubscribe them (a 2-thread OpenMP step on a busy core stalls 6-26x,
+# bench/RESULTS.md "Two cores"). The share reaches child processes (stages run as processes, torchrun ranks).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
+# The longest modules first (CI durations on the 2-core machine), so that with `--dist loadscope
+# --no-loadscope-reorder` each starts on its own worker while the short ones fill the gaps, instead of
+# the default DAG's ~12 min starting last.
+LONGEST_FIRST = ("tests/test_quality.py", "tests/serve/test_deployment.py", "tests/test_dag.py",
+                 "tests/engine/test_dist.py", "tests/serve/test_vllm_server.py", "tests/engine/test_kill_resume.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)     # stable: the rest keep their order

@@ -18,14 +18,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadscope`) each worker gets its share of the cores, so two
-# workers on a 2-core machine don't oversubscribe them (a 2-thread OpenMP step on a busy core stalls 6-26x,
+# Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadscope`) each busy worker gets its share of the cores, so
+# two workers on a 2-core machine don't oversubscribe them (a 2-thread OpenMP step on a busy core stalls 6-26x,
 # bench/RESULTS.md "Two cores"). The share reaches child processes (stages run as processes, torchrun ranks).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
-    torch.set_num_threads(_threads)
-    os.environ["OMP_NUM_THREADS"] = str(_threads)
+# With fewer modules than workers (e.g. one file selected) the idle workers are shut down: no sharing then.
+def pytest_collection_finish(session):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    busy = min(workers, len({item.nodeid.split("::", 1)[0] for item in session.items}))
+    if busy > 1:
+        threads = max(1, (os.cpu_count() or 1) // busy)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
 
 # The longest modules first (CI durations on the 2-core machine), so that with `--dist loadscope
 # --no-loadscope-reorder` each starts on its own worker while the short ones fill the gaps, instead of

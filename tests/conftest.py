@@ -22,9 +22,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # two workers on a 2-core machine don't oversubscribe them (a 2-thread OpenMP step on a busy core stalls 6-26x,
 # bench/RESULTS.md "Two cores"). The share reaches child processes (stages run as processes, torchrun ranks).
 # With fewer modules than workers (e.g. one file selected) the idle workers are shut down: no sharing then.
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_finish(session):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    busy = min(workers, len({item.nodeid.split("::", 1)[0] for item in session.items}))
+    busy = min(workers, len({_module(item) for item in session.items}))
     if busy > 1:
         threads = max(1, (os.cpu_count() or 1) // busy)
         torch.set_num_threads(threads)
@@ -40,6 +44,6 @@ LONGEST_FIRST = ("tests/test_quality.py", "tests/serve/test_deployment.py", "tes
 
 def pytest_collection_modifyitems(items):
     def rank(item):
-        path = item.nodeid.split("::", 1)[0]
+        path = _module(item)
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)     # stable: the rest keep their order

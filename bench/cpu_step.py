@@ -50,7 +50,7 @@ def sft_setup(run: Path, runs_dir: Path):
     make, _ = data.batches("sft", tc)
     torch.manual_seed(tc.seed)
     model = load_native(run / "pretrain")
-    inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout, tc.lora.modules_to_save)
+    inject_lora(model, tc.lora)
     return cfg, tc, data, make(None), model.train()
 
 

@@ -28,6 +28,7 @@ from data.sampler import EpochSampler
 from engine.losses import DPOLoss
 from engine.optim import build_optimizer
 from model import inject_lora
+from configs.schema import LoRAConfig
 
 PROVIDERS = ("hf_peft_naive", "ours_packed_reference", "ours_packed_fused")
 BASE = "hf_peft_naive"
@@ -65,7 +66,7 @@ def run(name: str, size: str, src: RandomDPO, args, device: torch.device, vocab:
     else:
         stream = PackedBatches(src, order, rows=8, seq_len=seq_len, group_size=2)
         model = our_model(cfg, device)
-        inject_lora(model, TARGETS, r=64, alpha=128)
+        inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
         dpo = DPOLoss(beta=BETA, nll_weight=0.0)
 
         def loss_of(b):

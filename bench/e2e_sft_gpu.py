@@ -27,6 +27,7 @@ from data.sampler import EpochSampler
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import inject_lora
+from configs.schema import LoRAConfig
 
 PROVIDERS = ("hf_peft_padded", "ours_padded_reference", "ours_packed_reference", "ours_packed_fused",
              "ours_packed_fused_flex")
@@ -49,7 +50,7 @@ def run(name: str, size: str, src: RandomSFT, args, device: torch.device, vocab:
             return model(input_ids=b["input_ids"], attention_mask=(b["doc_ids"] != 0).long(), labels=b["labels"]).loss
     else:
         model = our_model(cfg, device, checkpointing)
-        inject_lora(model, TARGETS, r=64, alpha=128)
+        inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
 
         def loss_of(b):
             return causal_lm_loss(model, b)[0]

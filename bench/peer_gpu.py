@@ -46,6 +46,7 @@ from data.sampler import EpochSampler
 from engine.losses import DPOLoss, causal_lm_loss
 from engine.optim import build_optimizer
 from model import inject_lora
+from configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "hf_liger_packed", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa")
@@ -60,7 +61,7 @@ def packed_batches(src, n: int, seq_len: int, group_size: int = 1) -> list[dict]
 
 def ours(cfg, device):
     model = our_model(cfg, device)
-    inject_lora(model, TARGETS, r=64, alpha=128)
+    inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
     return model
 
 

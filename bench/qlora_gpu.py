@@ -34,6 +34,7 @@ from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomSFT, decoder_con
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import inject_lora
+from configs.schema import LoRAConfig
 
 SIZES.setdefault("8b", dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336))
 SIZES.setdefault("8b-stack", {**SIZES["8b"], "num_layers": 8})
@@ -54,7 +55,7 @@ def _frozen_dtype(device) -> torch.dtype:
 
 def ours(cfg, device, quantization: str, checkpointing: bool):
     model = our_model(cfg, device, checkpointing).to(_frozen_dtype(device))
-    inject_lora(model, TARGETS, r=64, alpha=128, quantization=quantization)
+    inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128, quantization=quantization))
     return _fp32_adapter(model)
 
 

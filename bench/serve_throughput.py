@@ -63,7 +63,7 @@ def tiny_shaped_export(tmp: Path) -> Path:
     save_native(Decoder(decoder_config(cfg, len(load_tokenizer(tok_dir)))), dirs["base"])
     for name, lora in (("sft", cfg.sft.lora), ("dpo", cfg.dpo.lora)):
         model = load_policy(dirs["base"], *([dirs["sft"]] if name == "dpo" else []))
-        inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save)
+        inject_lora(model, lora)
         with torch.no_grad():
             for m in lora_modules(model).values():
                 m.lora_B.weight.normal_(std=0.02)

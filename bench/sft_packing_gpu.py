@@ -26,6 +26,7 @@ from data.sampler import EpochSampler
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import Decoder, DecoderConfig, inject_lora
+from configs.schema import LoRAConfig
 
 
 def run(provider: str, args, src) -> dict:
@@ -33,7 +34,7 @@ def run(provider: str, args, src) -> dict:
     cfg = DecoderConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, intermediate_size=args.inter, max_seq_len=2048)
     model = Decoder(cfg).cuda()
-    inject_lora(model, TARGETS, r=64, alpha=128)
+    inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
     opt = build_optimizer(model, 2e-4, 0.0, fused=True)
     order = iter(EpochSampler(len(src), seed=0))
     if provider == "padded":

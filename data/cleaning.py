@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from configs.errors import quote
+from data.errors import DataError
 
 MAX_EXAMPLES = 3     # example messages kept per reason, by default (data.report_examples)
 EXAMPLE_CHARS = 200  # each example is cut to this length
@@ -119,8 +120,6 @@ def check_drop_fraction(report: "CleanReport | dict", split: str, limit: float, 
     `report`: a CleanReport or its as_dict() (a cached token store's meta["clean"]); `seq_len`: the
     length setting the split was fitted to, e.g. "dpo.seq_len (256)"; `hint`: appended to the fixes.
     """
-    from data.formats import DataError   # (data.formats imports this module)
-
     d = report.as_dict() if isinstance(report, CleanReport) else dict(report or {})
     dropped = {k: int(v) for k, v in (d.get("dropped") or {}).items() if v}
     lost, kept = sum(dropped.values()), int(d.get("kept", 0))

@@ -48,8 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from configs.errors import UserError, quote
+from configs.errors import quote
 from data.cleaning import CleanReport
+from data.errors import DataError  # re-exported: `from data.formats import DataError` keeps working
 
 Message = dict  # {"role": str, "content": str}
 ROLES = ("system", "user", "assistant")
@@ -60,10 +61,6 @@ MAX_LINE_BYTES = 8 << 20  # default data.max_line_bytes: the longest line / row 
 _BATCH = 1024             # rows per Arrow batch turned into Python objects
 _CHUNK = 1 << 20          # bytes read at a time from a JSON array, or skipped at a time in an over-long line
 _BLANK = re.compile(r"[ \t\r\n\ufeff]*")
-
-
-class DataError(UserError, ValueError):
-    """A bad row in a data file; the message names path, row and field."""
 
 
 def _kind(value: Any) -> str:

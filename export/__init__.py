@@ -36,7 +36,8 @@ How the glm-lora server serves an export (serve/deploy.py `serving_plan`): vLLM 
 `<name>-sft`; the DPO adapter (no modules_to_save: DPO trains LoRA only) on it is the final model, served
 as `<name>` and `<name>-dpo` — each adapter on its proper base, and the SFT stage in its merged form,
 which vLLM serves whatever the SFT adapter trained in full. The manifest records which adapters vLLM
-can take (`vllm_servable_adapters`) and each model card says how it is served.
+can take and in which form (`adapters`: model/adapters.py `served_form`, what the server reads) and each
+model card says how it is served.
 """
 from __future__ import annotations
 
@@ -53,13 +54,12 @@ from data.prepare import SOURCES, TOKENIZER_FILES
 from data.tokenizer import end_of_turn_ids, load_tokenizer
 from engine import evaluate
 from export.model_card import write_model_card
-from model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, load_policy,
-                            read_adapter, vllm_unservable)
+from model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX, load_policy,
+                            read_adapter, served_form, vllm_unservable)
 from model.hf import save_hf
 
 COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter
 VLLM_SPLIT_ARCHS = ("glm4",)   # layouts whose vLLM implementation wants gate_proj/up_proj LoRAs (see above)
 
 
@@ -151,9 +151,8 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
                        vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS)
     evals = collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)
     _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), split)
-    servable = {f"adapters/{n}": vllm_unservable(out_dir / "adapters" / n) or "yes" for n in ("sft", "dpo")}
-    return {"dtype": cfg.serve.dtype, "architecture": arch, "vllm_split_adapters": split,
-            "vllm_servable_adapters": servable, "eval": evals}
+    return {"dtype": cfg.serve.dtype, "architecture": arch,
+            "adapters": {n: served_form(out_dir, f"adapters/{n}") for n in ("sft", "dpo")}, "eval": evals}
 
 
 

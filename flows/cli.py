@@ -40,7 +40,7 @@ def run_one_stage(stage: str, cfg, force: bool = True) -> artifacts.ArtifactRef:
     from tasks.table import upstream
 
     inputs = {}
-    for key, name in upstream(stage, cfg.model_dump(mode="json")).items():
+    for key, name in upstream(stage, cfg).items():
         d = cfg.stage_dir(name)
         if not artifacts.is_complete(d):
             raise UserError(f"stage {stage} needs the {name} stage's output, and {d} is missing or incomplete; "

@@ -15,6 +15,7 @@ from artifacts import read_manifest
 from artifacts.lock import run_lock
 from configs import ConfigError, load_config
 from configs.errors import UserError
+from configs.schema import Config
 from engine.preflight import preflight
 from tasks.stages import TASKS
 from tasks.table import STAGES, chain, upstream
@@ -39,13 +40,13 @@ def glm_lora(config: str = "tiny", overrides: dict[str, Any] | None = None,
             raise ConfigError(f"refresh: unknown stages {sorted(unknown)}; stages are {list(STAGES)}")
         preflight(cfg)
         with run_lock(cfg.run_dir):
-            return run_chain(cfg.model_dump(mode="json"), set(refresh or ()))
+            return run_chain(cfg, set(refresh or ()))
     except UserError as e:
         get_run_logger().error("error: %s", e)
         return Failed(name=type(e).__name__, message=str(e))
 
 
-def run_chain(cfg: dict, refresh: set[str]) -> dict:
+def run_chain(cfg: Config, refresh: set[str]) -> dict:
     refs: dict[str, dict] = {}
     for name in chain(cfg):
         inputs = {key: refs[stage] for key, stage in upstream(name, cfg).items()}

@@ -31,8 +31,7 @@ def read_adapter(adapter_dir: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor]
 def apply_adapter(model: Decoder, adapter_dir: Path, merge: bool = True) -> Decoder:
     lora, state = read_adapter(adapter_dir)
     # The base the adapter was trained on: with nf4, merging folds it into the dequantised base weights.
-    inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save,
-                quantization=lora.quantization)
+    inject_lora(model, lora)
     load_lora_state_dict(model, state, lora.modules_to_save)
     return merge_lora(model) if merge else model
 
@@ -53,6 +52,20 @@ PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 BASE_QUANTIZATION = "base_quantization.json"
 NF4_BNB_CONFIG = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
                   "bnb_4bit_compute_dtype": "bfloat16"}
+
+
+VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter (export/__init__.py)
+
+
+def served_form(export_dir: Path, adapter: str) -> dict:
+    """What a server needs to know of the exported adapter `adapter` (a path in export_dir, e.g. "adapters/sft"),
+    as export records it in its manifest (`adapters`): the PEFT dir, the form vLLM loads (`<dir>-vllm/` where
+    export wrote one), the rank `r`, and why vLLM cannot serve it as a LoRA (None when it can)."""
+    adapter = Path(adapter)
+    vllm = adapter.with_name(adapter.name + VLLM_SUFFIX)
+    config = json.loads((Path(export_dir) / adapter / PEFT_CONFIG).read_text())
+    return {"dir": str(adapter), "vllm_dir": str(vllm if (Path(export_dir) / vllm / PEFT_CONFIG).is_file() else adapter),
+            "r": config["r"], "unservable": vllm_unservable(Path(export_dir) / adapter)}
 
 
 def vllm_unservable(adapter_dir: Path) -> str | None:

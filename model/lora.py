@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import kernels
 from configs.errors import UserError
-from configs.schema import ALL_LINEAR     # "all-linear": PEFT's term for every linear projection
+from configs.schema import ALL_LINEAR, LoRAConfig     # "all-linear": PEFT's term for every linear projection
 from kernels.reference import NF4_BLOCK
 from model.quant import NF4Weight, quantize_nf4
 
@@ -138,21 +138,21 @@ def target_names(model: nn.Module, target_modules: list[str] | str) -> list[str]
     return [n for n in linear_names(model) if n.rsplit(".", 1)[-1] in targets]
 
 
-def inject_lora(model: nn.Module, target_modules: list[str] | str, r: int, alpha: float, dropout: float = 0.0,
-                modules_to_save=(), quantization: str = "none") -> list[str]:
-    """Freeze `model`, wrap every linear whose last name part is in `target_modules` (or every one:
-    "all-linear"), and make the weights of `modules_to_save` trainable. quantization "nf4": the wrapped
-    layers' base weights are replaced by their 4-bit form (QLoRA; the full-precision ones are freed)."""
-    names = target_names(model, target_modules)
-    if quantization == "nf4":
+def inject_lora(model: nn.Module, lora: LoRAConfig) -> list[str]:
+    """Freeze `model`, wrap every linear whose last name part is in `lora.target_modules` (or every one:
+    "all-linear"), and make the weights of `lora.modules_to_save` trainable. quantization "nf4": the wrapped
+    layers' base weights are replaced by their 4-bit form (QLoRA; the full-precision ones are freed).
+    Returns the wrapped layers' paths."""
+    names = target_names(model, lora.target_modules)
+    if lora.quantization == "nf4":
         check_nf4_blocks(model, names)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout, quantization))
-    for m in saved_modules(model, modules_to_save).values():
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), lora.r, lora.alpha, lora.dropout, lora.quantization))
+    for m in saved_modules(model, lora.modules_to_save).values():
         m.weight.requires_grad_(True)
     return names
 

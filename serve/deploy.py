@@ -48,11 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifacts import REPO, atomic_write_text, code_version, sha256_json, verify
+from artifacts import MANIFEST, REPO, atomic_write_text, code_version, read_manifest, sha256_json, verify
 from artifacts.lock import take_flock
 from configs.errors import UserError
-from engine.gate import promotion_gate
-from model.adapters import vllm_unservable
+from engine.gate import GateResult, promotion_gate
+from model.adapters import PEFT_CONFIG, served_form
 from serve import proxy
 from serve import vllm_server as vs
 
@@ -232,30 +232,43 @@ def settle(dep: Deployment, rec: dict) -> dict:
 
 # ---------------------------------------------------------------- promotion
 
+def exported_adapters(export_dir: Path) -> dict:
+    """The export's adapters as its manifest records them (name → model/adapters.py `served_form`); an export
+    made before the manifest recorded them (glm-lora ≤ deefde7) gets the same record from its files."""
+    export_dir = Path(export_dir)
+    recorded = read_manifest(export_dir)["metrics"].get("adapters") if (export_dir / MANIFEST).is_file() else None
+    return recorded or {n: served_form(export_dir, f"adapters/{n}") for n in ("sft", "dpo")
+                        if (export_dir / "adapters" / n / PEFT_CONFIG).is_file()}
+
+
 def serving_plan(export_dir: Path, name: str, adapters: bool = True) -> dict:
     """What one vLLM server serves from this export, by served model name (paths relative to export_dir).
 
-    {"model": the directory vLLM loads, "final": the final model's name, "names": {served name: {"lora": adapter dir or None (the loaded
-    model itself), "same_as": the merged directory it equals (what our own decoder answers with), "what": ...}}}.
+    {"model": the directory vLLM loads, "final": the final model's name, "names": {served name: {"lora": the
+    adapter dir vLLM loads or None (the loaded model itself), "r": its rank, "same_as": the merged directory it
+    equals (what our own decoder answers with), "what": ...}}}.
     The first name is the loaded model's: every adapter's parent in /v1/models. With `adapters` (and a
     DPO adapter vLLM can take): sft_merged/ as `<name>-sft`, plus adapters/dpo on it as `<name>` (the final
-    model) and `<name>-dpo`; else merged/ alone as `<name>`.
+    model) and `<name>-dpo`; else merged/ alone as `<name>`. Which adapters vLLM can take, in which form and
+    rank, is what the export recorded (`exported_adapters`).
     """
     export_dir = Path(export_dir)
     final = {"lora": None, "same_as": "merged", "what": "the final model (base + SFT + DPO, merged)"}
     if not adapters:
         return {"model": "merged", "final": name, "names": {name: final}, "not_served": {}}
-    why = vllm_unservable(export_dir / "adapters" / "dpo")
+    record = exported_adapters(export_dir)
+    dpo_form = record.get("dpo")
+    why = dpo_form["unservable"] if dpo_form else "the export has no DPO adapter"
     if why or not (export_dir / "sft_merged" / "config.json").is_file():
         return {"model": "merged", "final": name, "names": {name: final},
                 "not_served": {"adapters/dpo": why or "the export has no sft_merged/ to serve it on"}}
-    dpo = {"lora": "adapters/dpo", "same_as": "merged"}
+    dpo = {"lora": dpo_form["vllm_dir"], "r": dpo_form["r"], "same_as": "merged"}
     plan = {"model": "sft_merged", "final": name, "names": {
         f"{name}-sft": {"lora": None, "same_as": "sft_merged", "what": "the SFT model (base + SFT, merged)"},
         name: {**dpo, "what": "the final model: the DPO adapter on the SFT model"},
         f"{name}-dpo": {**dpo, "what": "the DPO adapter on the SFT model (the same as the final model)"}},
         "not_served": {}}
-    why_sft = vllm_unservable(export_dir / "adapters" / "sft")
+    why_sft = record["sft"]["unservable"] if "sft" in record else None
     if why_sft:
         plan["not_served"]["adapters/sft"] = f"{why_sft}; its merged form sft_merged/ is served as {name}-sft"
     return plan
@@ -334,89 +347,188 @@ def promote(cfg, export_dir: Path, *, key: str | None, key_source: str | None, s
             allow_regression: bool = False, out_dir: Path | None = None) -> dict:
     """Promote `export_dir` to the stable endpoint (blue/green; module docstring). switch=False
     (serve.keep_running: false): start, test and stop the candidate; the endpoint is not touched.
-    allow_regression: skip the gate's no-regression checks (a deliberate rollback to an older model)."""
-    from serve import smoke
+    allow_regression: skip the gate's no-regression checks (a deliberate rollback to an older model).
 
-    sc, dep = cfg.serve, Deployment.of(cfg)
+    Under the lock: settle what an earlier promotion left → the endpoint has not moved → the export
+    verified and through the gate → an unchanged export: the live server only re-tested; else a
+    candidate started, tested and switched to (_promote_candidate)."""
+    dep = Deployment.of(cfg)
     export_dir = Path(export_dir).resolve()
     with locked(dep):
         rec = settle(dep, read_record(dep))
-        if rec["proxy"] and (rec["host"], rec["port"]) != (sc.host, sc.port):
-            raise UserError(f"this deployment's endpoint is {rec['host']}:{rec['port']}, the config says "
-                            f"{sc.host}:{sc.port}: stop it first (`python -m flows.cli serve stop`) to move it")
-        manifest = _verified_export(export_dir)
-        digest, candidate_eval = manifest["digest"], manifest["metrics"].get("eval", {})
-        legacy = None if rec["active"] else legacy_server(cfg.stage_dir("serve"))
-        served_eval = rec["active"]["eval"] if rec["active"] else (legacy or {}).get("eval")
-        gate = promotion_gate(candidate_eval, served_eval, thresholds=sc.gate.min, tolerance=sc.gate.tolerance,
-                              no_regression=[] if allow_regression else sc.gate.no_regression)
-        if out_dir is not None:
-            (Path(out_dir) / "gate.md").write_text(gate.table)
-        log.info("promotion gate:\n%s", gate.table)
-        if not gate.ok:
-            raise GateFailed("promotion gate failed; the served model stays: " + "; ".join(gate.reasons) +
-                             ("" if allow_regression else " (a deliberate rollback: `serve promote --allow-regression`)"))
-        plan = serving_plan(export_dir, cfg.run_name, sc.adapters)
-        for what, why in plan["not_served"].items():
-            log.info("not served as an adapter: %s: %s", what, why)
-        spec = _spec(cfg, digest, plan, key_source)
-        messages = [{"role": "user", "content": sc.prompt}]
-        exact = sc.dtype == "float32"
-        active = rec["active"]
-        if switch and active and active["spec"] == spec and _still_serving(dep, rec, key, sc):
-            checks = smoke.smoke_test(dep.url, active["plan"], active["reference"], messages=messages,
-                                      max_tokens=sc.max_tokens, key=key, exact=exact)
-            log.info("export unchanged (%s): the live server (pid %s) keeps serving", digest[:16], active["pid"])
-            return _finish(dep, cfg, active, checks, gate, key_source, running=True, restarted=False, ready_s=0.0)
+        _check_endpoint_unmoved(rec, cfg.serve)
+        p = _gated(cfg, dep, rec, export_dir, key=key, key_source=key_source, allow_regression=allow_regression,
+                   out_dir=out_dir)
+        if switch and _live_server_is_current(p):
+            return _retest_live_server(p)
+        return _promote_candidate(p, switch)
 
-        snap = _snapshot(dep, export_dir, digest)
-        refs = smoke.references(snap, plan, messages, sc.max_tokens)
-        owner, port = _owner(), _free_port()
-        watchdog = _watchdog(dep, owner)    # first: from here on, a kill of this process is undone
+
+@dataclass(frozen=True)
+class _Promotion:
+    """What promote() has established before any server starts: the deployment and its record, the
+    export that passed the gate, what a server of it serves (plan, spec) and how it is asked."""
+    cfg: object
+    dep: Deployment
+    rec: dict
+    export_dir: Path
+    key: str | None
+    key_source: str | None
+    digest: str
+    candidate_eval: dict
+    legacy: dict | None         # the pre-blue/green serve stage's server, where no server is active
+    gate: GateResult
+    plan: dict
+    spec: str
+    messages: list[dict]
+    exact: bool
+
+    sc = property(lambda self: self.cfg.serve)
+
+    def finish(self, entry: dict, checks: dict, *, running: bool, restarted: bool, ready_s: float) -> dict:
+        return _finish(self.dep, self.cfg, entry, checks, self.gate, self.key_source, running=running,
+                       restarted=restarted, ready_s=ready_s)
+
+
+def _check_endpoint_unmoved(rec: dict, sc) -> None:
+    """A running endpoint stays where it is: moving it to another host:port takes a stop first."""
+    if rec["proxy"] and (rec["host"], rec["port"]) != (sc.host, sc.port):
+        raise UserError(f"this deployment's endpoint is {rec['host']}:{rec['port']}, the config says "
+                        f"{sc.host}:{sc.port}: stop it first (`python -m flows.cli serve stop`) to move it")
+
+
+def _gated(cfg, dep: Deployment, rec: dict, export_dir: Path, *, key: str | None, key_source: str | None,
+           allow_regression: bool, out_dir: Path | None) -> _Promotion:
+    """The export verified against its manifest and passed by the gate (neither needs a server, so a failing
+    export costs no start), with what a server of it would serve."""
+    sc = cfg.serve
+    manifest = _verified_export(export_dir)
+    digest, candidate_eval = manifest["digest"], manifest["metrics"].get("eval", {})
+    legacy = None if rec["active"] else legacy_server(cfg.stage_dir("serve"))
+    served_eval = rec["active"]["eval"] if rec["active"] else (legacy or {}).get("eval")
+    gate = _passed_gate(sc, candidate_eval, served_eval, allow_regression, out_dir)
+    plan = serving_plan(export_dir, cfg.run_name, sc.adapters)
+    for what, why in plan["not_served"].items():
+        log.info("not served as an adapter: %s: %s", what, why)
+    return _Promotion(cfg=cfg, dep=dep, rec=rec, export_dir=export_dir, key=key, key_source=key_source,
+                      digest=digest, candidate_eval=candidate_eval, legacy=legacy, gate=gate, plan=plan,
+                      spec=_spec(cfg, digest, plan, key_source), messages=[{"role": "user", "content": sc.prompt}],
+                      exact=sc.dtype == "float32")
+
+
+def _passed_gate(sc, candidate_eval: dict, served_eval: dict | None, allow_regression: bool,
+                 out_dir: Path | None) -> GateResult:
+    """The promotion gate on the candidate's eval against the served model's (logged, and written to
+    out_dir/gate.md); GateFailed if it fails: the served model stays."""
+    gate = promotion_gate(candidate_eval, served_eval, thresholds=sc.gate.min, tolerance=sc.gate.tolerance,
+                          no_regression=[] if allow_regression else sc.gate.no_regression)
+    if out_dir is not None:
+        (Path(out_dir) / "gate.md").write_text(gate.table)
+    log.info("promotion gate:\n%s", gate.table)
+    if not gate.ok:
+        raise GateFailed("promotion gate failed; the served model stays: " + "; ".join(gate.reasons) +
+                         ("" if allow_regression else " (a deliberate rollback: `serve promote --allow-regression`)"))
+    return gate
+
+
+def _live_server_is_current(p: _Promotion) -> bool:
+    """The active server serves this export with these settings (same spec) and still answers through the
+    endpoint with this key."""
+    active = p.rec["active"]
+    return bool(active) and active["spec"] == p.spec and _still_serving(p.dep, p.rec, p.key, p.sc)
+
+
+def _retest_live_server(p: _Promotion) -> dict:
+    """An unchanged export keeps the live server: it is only smoke-tested again, through the endpoint."""
+    from serve import smoke
+
+    active = p.rec["active"]
+    checks = smoke.smoke_test(p.dep.url, active["plan"], active["reference"], messages=p.messages,
+                              max_tokens=p.sc.max_tokens, key=p.key, exact=p.exact)
+    log.info("export unchanged (%s): the live server (pid %s) keeps serving", p.digest[:16], active["pid"])
+    return p.finish(active, checks, running=True, restarted=False, ready_s=0.0)
+
+
+def _promote_candidate(p: _Promotion, switch: bool) -> dict:
+    """snapshot → reference answers → watchdog → candidate started and recorded → healthy → smoke test →
+    endpoint switched to it (_switch) → old servers drained and stopped → old snapshots pruned.
+    A failure before the record names the candidate active settles the deployment (nginx back on the old
+    server, the candidate stopped): the old model keeps answering. switch=False: the tested candidate is
+    stopped instead of switched to."""
+    from serve import smoke
+
+    snap = _snapshot(p.dep, p.export_dir, p.digest)
+    refs = smoke.references(snap, p.plan, p.messages, p.sc.max_tokens)
+    owner, port = _owner(), _free_port()
+    with _watchdog_beside(p.dep, owner):    # first: from here on, a kill of this process is undone
+        t0 = time.perf_counter()
+        handle, cand = _start_candidate(p, snap, refs, owner, port)
         try:
-            t0 = time.perf_counter()
-            handle = vs.start_server(
-                snap / plan["model"], port=port, served_model_name=[n for n, s in plan["names"].items() if not s["lora"]],
-                lora_modules={n: snap / s["lora"] for n, s in plan["names"].items() if s["lora"]},
-                log_path=dep.logs / f"vllm-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log", api_key=key, dtype=sc.dtype,
-                max_model_len=sc.max_model_len, kv_cache_bytes=sc.kv_cache_bytes,
-                tensor_parallel_size=sc.tensor_parallel_size, gpu_memory_utilization=sc.gpu_memory_utilization,
-                max_num_seqs=sc.max_num_seqs, max_lora_rank=sc.max_lora_rank)
-            cand = {"pid": handle.pid, "port": port, "url": handle.base_url, "log": handle.log_path, "export": str(snap),
-                    "source": str(export_dir), "digest": digest, "spec": spec, "plan": plan, "eval": candidate_eval,
-                    "reference": refs, "started": _now(), "owner": owner}
-            rec.update(candidate=cand, drain_s=sc.drain_timeout_s)
-            write_record(dep, rec)          # recorded at once (a kill before this line: settle() finds it anyway)
-            log.info("candidate vLLM server pid %s on port %s (%s)", handle.pid, port, snap)
-            try:
-                vs.wait_healthy(handle, timeout_s=sc.startup_timeout_s)
-                ready_s = time.perf_counter() - t0
-                checks = smoke.smoke_test(handle.base_url, plan, refs, messages=messages, max_tokens=sc.max_tokens,
-                                          key=key, exact=exact)
-                if not switch:
-                    _stop_server(handle.pid)
-                    rec["candidate"] = None
-                    write_record(dep, rec)
-                    return _finish(dep, cfg, cand, checks, gate, key_source, running=False, restarted=True,
-                                   ready_s=ready_s)
-                _switch(dep, rec, sc, cand, checks, key, legacy)
-            except BaseException:
-                settle(dep, rec)
-                raise
-            for old in list(rec["retiring"]):
-                if not proxy.wait_drained(set(old["workers"]), sc.drain_timeout_s + 5):
-                    log.warning("requests on the old server outlived serve.drain_timeout_s; stopping it anyway")
-                _stop_server(old["pid"])
-                rec["retiring"].remove(old)
-                write_record(dep, rec)
-                log.info("stopped the previous server (pid %s, %s)", old["pid"], old["source"])
-            _prune(dep, rec, sc.keep_exports)
-        finally:
-            with contextlib.suppress(OSError):
-                watchdog.stdin.write(WATCHDOG_DONE)  # this process lives on and cleaned up: the watchdog just exits
-                watchdog.stdin.close()
-        return _finish(dep, cfg, rec["active"], checks, gate, key_source, running=True, restarted=True,
-                       ready_s=ready_s)
+            vs.wait_healthy(handle, timeout_s=p.sc.startup_timeout_s)
+            ready_s = time.perf_counter() - t0
+            checks = smoke.smoke_test(handle.base_url, p.plan, refs, messages=p.messages, max_tokens=p.sc.max_tokens,
+                                      key=p.key, exact=p.exact)
+            if not switch:
+                return _stop_tested_candidate(p, cand, checks, ready_s)
+            _switch(p.dep, p.rec, p.sc, cand, checks, p.key, p.legacy)
+        except BaseException:
+            settle(p.dep, p.rec)
+            raise
+        _stop_retiring(p.dep, p.rec, p.sc.drain_timeout_s)
+        _prune(p.dep, p.rec, p.sc.keep_exports)
+    return p.finish(p.rec["active"], checks, running=True, restarted=True, ready_s=ready_s)
+
+
+@contextlib.contextmanager
+def _watchdog_beside(dep: Deployment, owner: dict):
+    """A watchdog (serve/watchdog.py) for the block: if this process dies inside it, the watchdog settles
+    what the promotion left; however the block ends in this process, the watchdog is told DONE."""
+    watchdog = _watchdog(dep, owner)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            watchdog.stdin.write(WATCHDOG_DONE)  # this process lives on and cleaned up: the watchdog just exits
+            watchdog.stdin.close()
+
+
+def _start_candidate(p: _Promotion, snap: Path, refs: dict, owner: dict, port: int) -> tuple[vs.ServerHandle, dict]:
+    """A vLLM server for the snapshot on `port`, recorded as the candidate at once; its handle and entry."""
+    sc, plan = p.sc, p.plan
+    handle = vs.start_server(
+        snap / plan["model"], port=port, served_model_name=[n for n, s in plan["names"].items() if not s["lora"]],
+        lora_modules={n: (snap / s["lora"], s["r"]) for n, s in plan["names"].items() if s["lora"]},
+        log_path=p.dep.logs / f"vllm-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log", api_key=p.key, dtype=sc.dtype,
+        max_model_len=sc.max_model_len, kv_cache_bytes=sc.kv_cache_bytes,
+        tensor_parallel_size=sc.tensor_parallel_size, gpu_memory_utilization=sc.gpu_memory_utilization,
+        max_num_seqs=sc.max_num_seqs, max_lora_rank=sc.max_lora_rank)
+    cand = {"pid": handle.pid, "port": port, "url": handle.base_url, "log": handle.log_path, "export": str(snap),
+            "source": str(p.export_dir), "digest": p.digest, "spec": p.spec, "plan": plan, "eval": p.candidate_eval,
+            "reference": refs, "started": _now(), "owner": owner}
+    p.rec.update(candidate=cand, drain_s=sc.drain_timeout_s)
+    write_record(p.dep, p.rec)          # recorded at once (a kill before this line: settle() finds it anyway)
+    log.info("candidate vLLM server pid %s on port %s (%s)", handle.pid, port, snap)
+    return handle, cand
+
+
+def _stop_tested_candidate(p: _Promotion, cand: dict, checks: dict, ready_s: float) -> dict:
+    """switch=False (serve.keep_running: false): the candidate passed; it is stopped, the endpoint untouched."""
+    _stop_server(cand["pid"])
+    p.rec["candidate"] = None
+    write_record(p.dep, p.rec)
+    return p.finish(cand, checks, running=False, restarted=True, ready_s=ready_s)
+
+
+def _stop_retiring(dep: Deployment, rec: dict, drain_s: float) -> None:
+    """Stop the servers the switch retired, each once nginx's old workers have finished their requests
+    (or drain_s + 5 s have passed)."""
+    for old in list(rec["retiring"]):
+        if not proxy.wait_drained(set(old["workers"]), drain_s + 5):
+            log.warning("requests on the old server outlived serve.drain_timeout_s; stopping it anyway")
+        _stop_server(old["pid"])
+        rec["retiring"].remove(old)
+        write_record(dep, rec)
+        log.info("stopped the previous server (pid %s, %s)", old["pid"], old["source"])
 
 
 def _still_serving(dep: Deployment, rec: dict, key: str | None, sc) -> bool:

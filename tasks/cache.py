@@ -17,9 +17,10 @@ import artifacts
 import kernels
 from artifacts import code_version, is_complete, read_manifest, sha256_json, sha256_path
 from configs import get_dotted
+from configs.schema import Config
 from engine.dist import world_size
 from tasks.launch import torchrun_stage
-from tasks.table import DISTRIBUTED, STAGES
+from tasks.table import DISTRIBUTED, STAGES, chain, upstream
 
 
 def _user_paths(node: Any) -> list[str]:
@@ -41,21 +42,23 @@ def _content_hash(stats: tuple, path: str) -> str:   # stats: hashed again only 
     return sha256_path(Path(path))
 
 
-def key_parts(stage: str, cfg: dict, upstream: list[dict], out_dir: Path) -> dict:
+def key_parts(stage: str, cfg: Config, upstream: list[dict], out_dir: Path) -> dict:
     """Everything a stage's output depends on; the key is their hash, and the manifest keeps them so
-    `explain` can say what changed."""
+    `explain` can say what changed. The config sections enter as JSON: the one place a Config is
+    serialised for a key."""
     spec = STAGES[stage]
-    sections = {k: get_dotted(cfg, k) for k in spec.config}
+    tree = cfg.model_dump(mode="json")
+    sections = {k: get_dotted(tree, k) for k in spec.config}
     return {"stage": stage, "code": code_version(spec.code), "config": sections,
             "user_files": {p: fingerprint(p) for p in _user_paths(sections)},
             "upstream": sorted(r["digest"] for r in upstream), "out": str(out_dir)}
 
 
-def stage_key(stage: str, cfg: dict, upstream: list[dict], out_dir: Path) -> str:
+def stage_key(stage: str, cfg: Config, upstream: list[dict], out_dir: Path) -> str:
     return sha256_json(key_parts(stage, cfg, upstream, out_dir))
 
 
-def explain(stage: str, cfg: dict, inputs: dict[str, dict], out_dir: Path) -> list[str]:
+def explain(stage: str, cfg: Config, inputs: dict[str, dict], out_dir: Path) -> list[str]:
     """Why `stage` would run instead of being reused: [] when its published artifact matches the key,
     else one line per cause (config key, code package, upstream artifact, user file)."""
     out_dir = Path(out_dir)
@@ -99,7 +102,7 @@ def reusable(out_dir: Path, key: str) -> bool:
     return is_complete(out_dir) and read_manifest(out_dir)["config"].get("cache_key") == key
 
 
-def build_stage(name: str, cfg, inputs: dict[str, dict], *, force: bool = False,
+def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool = False,
                 log: logging.Logger = logging.getLogger("glm_lora.stages"),
                 guard: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[artifacts.ArtifactRef, bool]:
     """The one cache mechanism: reuse `name`'s published artifact if it was built for this key, else run
@@ -109,37 +112,33 @@ def build_stage(name: str, cfg, inputs: dict[str, dict], *, force: bool = False,
     (not while it is reused): the flow passes a Prefect concurrency slot for training stages.
     The flow, the CLI and tests call this.
     """
-    cfg_dict = cfg.model_dump(mode="json")
     out = cfg.stage_dir(name)
-    parts = key_parts(name, cfg_dict, list(inputs.values()), out)
+    parts = key_parts(name, cfg, list(inputs.values()), out)
     key = sha256_json(parts)
     if STAGES[name].cached and not force and reusable(out, key):
         return artifacts.ref_for(out), True
     if STAGES[name].cached:
         log.info("%s: running: %s", name, "; ".join(["forced (refresh)"] if force else
-                                                    explain(name, cfg_dict, inputs, out)))
-    fn = STAGES[name].function()
+                                                    explain(name, cfg, inputs, out)))
+    fn = STAGES[name].run
     if name in DISTRIBUTED and (cfg.dist.launcher == "torchrun" or world_size(cfg) > 1):
         fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
     with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),
-                              config={"cache_key": key, "key_parts": parts, "run": cfg_dict},
+                              config={"cache_key": key, "key_parts": parts, "run": cfg.model_dump(mode="json")},
                               inputs=[artifacts.ArtifactRef.from_dict(r) for r in inputs.values()])
     return ref, False
 
 
-def status(cfg) -> list[tuple[str, list[str]]]:
+def status(cfg: Config) -> list[tuple[str, list[str]]]:
     """Per stage of a run of `cfg`: [] if it would be reused as published, else why it would run —
     what `python -m flows.cli status` prints (the stage logs the same reasons when it runs)."""
-    from tasks.table import chain, upstream
-
-    cfg_dict = cfg.model_dump(mode="json")
     published: dict[str, dict] = {}
     stale: set[str] = set()
     report = []
-    for name in chain(cfg_dict):
-        ups = upstream(name, cfg_dict)
+    for name in chain(cfg):
+        ups = upstream(name, cfg)
         if not STAGES[name].cached:
             report.append((name, ["runs every time"]))
             continue
@@ -147,7 +146,7 @@ def status(cfg) -> list[tuple[str, list[str]]]:
             missing = sorted(s for s in ups.values() if s not in published)
             why = [f"waits for {', '.join(missing)} (not built)"]
         else:
-            why = explain(name, cfg_dict, {k: published[s] for k, s in ups.items()}, cfg.stage_dir(name))
+            why = explain(name, cfg, {k: published[s] for k, s in ups.items()}, cfg.stage_dir(name))
             why += [f"after {s} re-runs, if its output changes" for s in ups.values() if s in stale and not why]
         if is_complete(cfg.stage_dir(name)):
             published[name] = artifacts.ref_for(cfg.stage_dir(name)).to_dict()

@@ -2,7 +2,8 @@
 
 The work and the caching are Prefect-free (`tasks.cache.build_stage`: the manifest key is the one
 cache); a stage reused from it ends in a Completed state named "Cached". Tasks take the validated
-config as a dict plus upstream ArtifactRef dicts and return a small ArtifactRef dict — never a model.
+Config (validated once, where the flow loads it) plus upstream ArtifactRef dicts and return a small
+ArtifactRef dict — never a model.
 """
 from __future__ import annotations
 
@@ -107,9 +108,8 @@ class ProgressArtifact:
             update_progress_artifact(self.id, pct, description=text)
 
 
-def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = False):
+def run_stage(name: str, cfg: Config, inputs: dict[str, dict], force: bool = False):
     """Build (or reuse) one stage's artifact, with its Prefect artifacts and logs."""
-    cfg = Config.model_validate(cfg_dict)
     log = get_run_logger()
     slot = (lambda: concurrency(TRAIN_SLOT, occupy=1)) if name in TRAINING else contextlib.nullcontext
     bar = ProgressArtifact(cfg, name)
@@ -128,9 +128,10 @@ def run_stage(name: str, cfg_dict: dict, inputs: dict[str, dict], force: bool = 
 
 
 def _stage_task(name: str):
-    def stage(cfg: dict, inputs: dict[str, dict], force: bool = False) -> dict:
+    def stage(cfg: Config, inputs: dict[str, dict], force: bool = False) -> dict:
         return run_stage(name, cfg, inputs, force)
-    stage.__doc__ = f"The {name} stage ({STAGES[name].run})."
+    fn = STAGES[name].run
+    stage.__doc__ = f"The {name} stage ({fn.__module__}.{fn.__name__})."
     return task(name=name, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
                 retry_condition_fn=transient)(fails_cleanly(stage))
 

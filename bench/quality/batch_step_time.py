@@ -34,7 +34,7 @@ def main():
         make, _ = StageData(cfg, a.run / "tokenizer", a.run / "data", "cpu").batches("sft", tc)
         torch.manual_seed(0)
         model = load_native(a.run / "pretrain")
-        inject_lora(model, tc.lora.target_modules, tc.lora.r, tc.lora.alpha, tc.lora.dropout, tc.lora.modules_to_save)
+        inject_lora(model, tc.lora)
         model.train()
         setups[bs] = (model, build_optimizer(model, tc.lr, tc.weight_decay), make(None))
 

@@ -23,7 +23,7 @@ def run_job(job: dict, out: Path) -> None:
     import logging, tempfile
     import kernels
     from configs import load_config, parse_value
-    from engine import dpo, pretrain, sft
+    from engine import adapter_stage, dpo, pretrain, sft
     name = job["name"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", filename=str(out / f"{name}.log"))
     ov = {"run_name": name, "runs_dir": "/tmp/sweep_runs", "checkpoint.save_every": 0, "checkpoint.resume": "never",
@@ -67,8 +67,8 @@ def run_job(job: dict, out: Path) -> None:
     if job.get("full"):
         def no_lora(model, *a, **k):
             for p in model.parameters(): p.requires_grad_(True)
-        sft.inject_lora = no_lora
-        sft.save_adapter = lambda *a, **k: None
+        adapter_stage.inject_lora = no_lora
+        adapter_stage.save_adapter = lambda *a, **k: None
     sdir = Path(tempfile.mkdtemp())
     m = sft.run(cfg, {"base": base_pre, "tokenizer": HERE / "tokenizer", "data": data}, sdir)
     e = m["eval"]

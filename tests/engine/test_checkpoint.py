@@ -1,5 +1,5 @@
-"""engine/checkpoint.py: round trip, async stall, atomicity under crashes, corruption, pruning; the
-loop's Checkpointer (resume checks, trainer_state.json format, directory key)."""
+"""engine/checkpoint_store.py: round trip, async stall, atomicity under crashes, corruption, pruning;
+engine/checkpoint.py: the loop's Checkpointer (resume checks, trainer_state.json format, directory key)."""
 import json
 import logging
 import os
@@ -16,13 +16,15 @@ import pytest
 import torch
 
 import engine.checkpoint as ckpt_mod
+import engine.checkpoint_store as store_mod
 from configs.schema import CheckpointConfig, Config
-from engine.checkpoint import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError, CheckpointManager,
-                               Checkpointer, CheckpointUnusable, IncompatibleResumeError, TrainState, capture_rng,
-                               config_diff, restore_rng)
+from engine.checkpoint import Checkpointer, IncompatibleResumeError, TrainState, capture_rng, config_diff, restore_rng
+from engine.checkpoint_store import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError,
+                                     CheckpointManager, CheckpointUnusable)
 from engine.losses import causal_lm_loss
 from engine.optim import build_optimizer
 from model import Decoder, DecoderConfig, inject_lora
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 
@@ -36,7 +38,7 @@ def trained(lora: bool = True, hidden: int = 32, steps: int = 2):
     m = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=2, num_heads=4, num_kv_heads=2,
                               intermediate_size=hidden + hidden // 2, max_seq_len=32))
     if lora:
-        inject_lora(m, ["q_proj", "v_proj"], r=4, alpha=8)
+        inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj"], r=4, alpha=8))
     opt = build_optimizer(m, lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -82,12 +84,12 @@ def assert_nested_equal(a, b):
 def slow_writes(monkeypatch):
     """Every small-file write sleeps `delay` seconds first."""
     delay = {"s": 0.0}
-    real = ckpt_mod._write_file
+    real = store_mod._write_file
 
     def slow(path, data):
         time.sleep(delay["s"])
         real(path, data)
-    monkeypatch.setattr(ckpt_mod, "_write_file", slow)
+    monkeypatch.setattr(store_mod, "_write_file", slow)
     return delay
 
 
@@ -173,7 +175,7 @@ def test_sync_mode_and_next_save_waits_for_previous(tmp_path, slow_writes):
 def test_thread_error_is_raised_by_next_call_and_cleaned_up(tmp_path, monkeypatch):
     m, opt = trained()
     mgr = CheckpointManager(tmp_path)
-    monkeypatch.setattr(ckpt_mod, "_write_file", lambda path, data: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(store_mod, "_write_file", lambda path, data: (_ for _ in ()).throw(OSError("disk full")))
     save(mgr, 1, m, opt)
     with pytest.raises(CheckpointError, match="step 1.*disk full"):
         mgr.wait()
@@ -190,13 +192,13 @@ def test_crash_mid_write_keeps_previous(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path)
     save(mgr, 1, m, opt)
     mgr.wait()
-    real = ckpt_mod._write_file
+    real = store_mod._write_file
 
     def dies_at_rng(path, data):
         if path.name == RNG:
             raise KeyboardInterrupt                # model + optimizer already written
         real(path, data)
-    monkeypatch.setattr(ckpt_mod, "_write_file", dies_at_rng)
+    monkeypatch.setattr(store_mod, "_write_file", dies_at_rng)
     save(mgr, 2, m, opt)
     with pytest.raises(CheckpointError):
         mgr.wait()
@@ -210,7 +212,8 @@ def test_kill_9_during_save_keeps_previous(tmp_path):
         import sys, time, torch
         sys.path.insert(0, {str(REPO)!r})
         import engine.checkpoint as c
-        mgr = c.CheckpointManager({str(tmp_path)!r})
+        import engine.checkpoint_store as s
+        mgr = s.CheckpointManager({str(tmp_path)!r})
         w = {{"a": torch.arange(6.0)}}
         mgr.save(1, weights=w, optimizer={{"state": {{}}, "param_groups": []}}, trainer_state={{"step": 1}},
                  rng=c.capture_rng())
@@ -219,7 +222,7 @@ def test_kill_9_during_save_keeps_previous(tmp_path):
             open(path, "wb").write(data[: len(data) // 2])
             print("writing", flush=True)
             time.sleep(60)
-        c._write_file = hang
+        s._write_file = hang
         mgr.save(2, weights={{"a": w["a"] + 1}}, optimizer={{"state": {{}}, "param_groups": []}},
                  trainer_state={{"step": 2}}, rng=c.capture_rng())
         mgr.wait()

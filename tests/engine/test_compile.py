@@ -12,6 +12,7 @@ from configs.schema import TrainConfig
 from engine.compile import compiled_training
 from engine.losses import causal_lm_loss
 from model import Decoder, DecoderConfig, inject_lora
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -22,7 +23,7 @@ def lora_model(seed=0) -> Decoder:
     torch.manual_seed(seed)
     m = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                               intermediate_size=48, max_seq_len=32, arch="qwen3"))
-    inject_lora(m, "all-linear", r=4, alpha=8, modules_to_save=["embed_tokens", "lm_head"])
+    inject_lora(m, LoRAConfig(target_modules="all-linear", r=4, alpha=8, modules_to_save=["embed_tokens", "lm_head"]))
     return m.train()
 
 

@@ -300,6 +300,7 @@ import kernels
 from engine import dist
 from engine.losses import causal_lm_loss, group_logprobs
 from engine.trainer import Runtime
+from configs.schema import LoRAConfig
 from model import Decoder, DecoderConfig, inject_lora, lora_disabled
 from torch.distributed.tensor import DTensor
 
@@ -316,7 +317,7 @@ for name in ("rms_norm", "apply_rope", "swiglu", "lora_linear", "linear_cross_en
 torch.manual_seed(0)
 model = Decoder(DecoderConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                               intermediate_size=128, arch="qwen3"))
-inject_lora(model, "all-linear", r=4, alpha=8)
+inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
 for n, p in model.named_parameters():
     if n.endswith("lora_B.weight"):
         torch.nn.init.normal_(p, std=0.05)           # an adapter that changes the output

@@ -16,6 +16,7 @@ from engine.optim import build_optimizer, lr_at
 from engine.trainer import NonFiniteLossError, Runtime, train, train_step
 from model import Decoder, DecoderConfig, inject_lora
 from model.lora import lora_modules
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -97,7 +98,7 @@ def test_weight_decay_moves_matrices_not_vectors():
 
 def test_build_optimizer_lora_only_and_none_trainable():
     m = tiny()
-    inject_lora(m, ["q_proj"], r=2, alpha=2)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj"], r=2, alpha=2))
     opt = build_optimizer(m, lr=1e-3, weight_decay=0.1)
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(params) == 4 and all(p.ndim == 2 for p in params)
@@ -161,7 +162,7 @@ def pair_batch(seed=0):
 @pytest.mark.parametrize("nll_weight", [0.0, 0.7])
 def test_dpo_at_init_margin_zero_loss_log2(nll_weight):
     m = tiny()
-    inject_lora(m, ["q_proj", "v_proj", "up_proj"], r=4, alpha=8)     # B = 0: policy == reference
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj", "up_proj"], r=4, alpha=8))     # B = 0: policy == reference
     b = pair_batch()
     loss, metrics = DPOLoss(beta=0.1, nll_weight=nll_weight)(m, b)
     assert metrics["reward_margin"].item() == pytest.approx(0.0, abs=1e-6)
@@ -174,7 +175,7 @@ def test_dpo_at_init_margin_zero_loss_log2(nll_weight):
 def test_dpo_matches_manual_formula_on_hand_built_logprobs(monkeypatch):
     """Reference log-probs must be taken with the adapter off; numbers checked by hand."""
     m = tiny()
-    inject_lora(m, ["q_proj"], r=2, alpha=2)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj"], r=2, alpha=2))
     policy = torch.tensor([-3.0, -5.0, -4.0, -2.0], requires_grad=True)   # chosen 0,1 | rejected 2,3
     ref = torch.tensor([-3.5, -4.0, -3.0, -2.5])
     counts = torch.tensor([3, 5, 4, 2])
@@ -210,7 +211,7 @@ def test_dpo_matches_manual_formula_on_hand_built_logprobs(monkeypatch):
 def test_dpo_reference_is_the_base_weights_of_the_same_model():
     m = tiny()
     base = copy.deepcopy(m).eval()
-    inject_lora(m, ["q_proj", "k_proj", "gate_proj", "down_proj"], r=4, alpha=8)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"], r=4, alpha=8))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for mod in lora_modules(m).values():
@@ -277,7 +278,7 @@ def test_train_logs_window_means():
 def test_train_lora_dpo_learns_preference_and_keeps_base():
     m = tiny()
     base_sd = {k: v.clone() for k, v in m.state_dict().items()}
-    inject_lora(m, ["q_proj", "v_proj", "up_proj", "down_proj"], r=4, alpha=8)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], r=4, alpha=8))
     logs = []
     train(m, DPOLoss(beta=0.5), lambda _: itertools.repeat(pair_batch()), cfg(max_steps=15, lr=2e-2), CPU,
           on_log=logs.append)
@@ -330,7 +331,7 @@ def test_grad_accum_matches_full_batch():
 
 def test_lora_plus_trains_b_with_a_larger_learning_rate():
     m = tiny()
-    inject_lora(m, ["q_proj", "v_proj"], r=4, alpha=8)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj"], r=4, alpha=8))
     opt = build_optimizer(m, 1e-3, 0.1, lora_b_lr_ratio=16.0)
     names = {id(p): n for n, p in m.named_parameters()}
     c = cfg(max_steps=10, lr=1e-3, warmup_steps=0, min_lr_ratio=1.0)

@@ -30,6 +30,7 @@ from engine import heldout
 from engine.losses import DPOLoss
 from model import Decoder, DecoderConfig, inject_lora
 from tests.oracle import Oracle
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 
@@ -187,7 +188,7 @@ def test_task_metrics_rows_without_task_count_as_all(tok, rows):
 
 def test_preference_metrics_untrained_adapter_scores_zero(tok, pairs):
     model = tiny_decoder(tok)
-    inject_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=4, alpha=8)
+    inject_lora(model, LoRAConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=4, alpha=8))
     m = preference_metrics(model, tok, pairs, seq_len=128, beta=0.1)
     assert m["n"] == len(pairs) and m["dropped"] == 0
     assert m["implicit_reward_accuracy"] == 0.0 and m["mean_margin"] == 0.0    # B = 0: policy == reference
@@ -201,7 +202,7 @@ def test_preference_metrics_trained_adapter_prefers_chosen(tok, pairs):
     from data.tokenize import dpo_examples
 
     model = tiny_decoder(tok)
-    inject_lora(model, ["q_proj", "v_proj", "o_proj", "down_proj"], r=4, alpha=8)
+    inject_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], r=4, alpha=8))
     src = _Examples(list(dpo_examples(pairs, tok, seq_len=128, overlong="truncate", report=CleanReport())))
     batch = next(padded_batches(src, iter(range(len(pairs))), batch_size=len(pairs), group_size=2))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -323,7 +324,7 @@ def test_eval_counts_bad_rows_instead_of_failing_with_skip(tok, eval_data, tmp_p
     data_dir.mkdir()
     prepare_data(cfg.data, data_dir)
     model = tiny_decoder(tok)
-    inject_lora(model, ["q_proj", "v_proj"], r=2, alpha=4)
+    inject_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj"], r=2, alpha=4))
     lm = heldout.eval_lm(cfg, model, tok, data_dir)
     assert lm["bad_rows_pretrain_eval"] == 2 and lm["documents"] >= 6 and math.isfinite(lm["loss"])
     tasks = heldout.eval_tasks(cfg, model, tok, data_dir)

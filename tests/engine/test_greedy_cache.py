@@ -10,6 +10,7 @@ import torch
 from engine.evaluate import _cropped_then_batches, _generate, _stop_set, greedy_decode
 from model import Decoder, DecoderConfig, inject_lora
 from model.model import LAYOUTS, KVCache
+from configs.schema import LoRAConfig
 
 
 def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size=32):
@@ -71,7 +72,7 @@ def test_cached_decode_equals_the_uncached_decoder_and_generate(arch):
 
 def test_cached_decode_with_a_trained_lora_adapter():
     model = decoder("qwen3", seed=3)
-    inject_lora(model, "all-linear", r=4, alpha=8, modules_to_save=["embed_tokens", "lm_head"])
+    inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8, modules_to_save=["embed_tokens", "lm_head"]))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -15,7 +15,7 @@ from export import VLLM_SPLIT_ARCHS, write_peft_adapter
 from model import Decoder, DecoderConfig, inject_lora
 from model.hf import HF_ARCHITECTURES, load_native, save_hf, save_native
 from model.lora import lora_modules, saved_modules
-from serve.vllm_server import vllm_adapter_dir
+from model.adapters import served_form
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -39,7 +39,7 @@ def tiny(tie=False, arch="llama") -> Decoder:
 
 
 def trained_adapter(model: Decoder, lora: LoRAConfig, seed=1) -> Decoder:
-    inject_lora(model, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.modules_to_save)
+    inject_lora(model, lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():    # stand-in for training: B non-zero, A perturbed, saved modules changed
         for m in lora_modules(model).values():
@@ -129,7 +129,7 @@ def test_vllm_split_adapter(exported):
     fused = ours.config.arch == "glm4" and "gate_up_proj" in targets(ours.config.arch, lora)
     assert split_dir.is_dir() is fused
     if not fused:
-        assert vllm_adapter_dir(root / "peft") == root / "peft"
+        assert served_form(root, "peft")["vllm_dir"] == "peft"
         return
     peft_cfg = json.loads((root / "peft" / "adapter_config.json").read_text())
     cfg = json.loads((split_dir / "adapter_config.json").read_text())
@@ -155,11 +155,10 @@ def test_vllm_split_adapter(exported):
     assert others == {k for k in split_sd if ".gate_proj." not in k and ".up_proj." not in k}
     for k in others:
         torch.testing.assert_close(split_sd[k], fused_sd[k], atol=0, rtol=0)
-    # what the serve code hands vLLM: the split form where the export wrote one
-    assert vllm_adapter_dir(root / "peft") == split_dir
-    assert vllm_adapter_dir(split_dir) == split_dir
+    # what export records for the server (its manifest's `adapters`): the split form where it wrote one
+    assert served_form(root, "peft") == {"dir": "peft", "vllm_dir": "peft-vllm", "r": lora.r, "unservable": None}
     shutil.rmtree(split_dir)
-    assert vllm_adapter_dir(root / "peft") == root / "peft"
+    assert served_form(root, "peft")["vllm_dir"] == "peft"
 
 
 def test_save_adapter_writes_our_format(exported):

@@ -13,6 +13,7 @@ from data.packing import place
 from engine.losses import DPOLoss, causal_lm_loss
 from engine.trainer import Runtime, train
 from model import Decoder, DecoderConfig, inject_lora
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 CPU = Runtime(torch.device("cpu"), torch.float32)
@@ -46,7 +47,7 @@ def run(backend: str, stage: str) -> list[float]:
     if stage == "pretrain":
         loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=False) for s in range(1)]
     else:
-        inject_lora(m, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=4, alpha=8)
+        inject_lora(m, LoRAConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=4, alpha=8))
         if stage == "sft":
             loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=True) for s in range(1)]
         else:
@@ -70,7 +71,7 @@ def test_triton_backend_really_dispatches_to_triton(monkeypatch):
     real = kernels._triton_op
     monkeypatch.setattr(kernels, "_triton_op", lambda name: calls.append(name) or real(name))
     m = model()
-    inject_lora(m, ["q_proj", "down_proj"], r=4, alpha=8)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "down_proj"], r=4, alpha=8))
     for backend, expected in (("triton", {"rms_norm", "apply_rope", "swiglu", "lora_linear",
                                           "linear_cross_entropy", "linear_token_logprobs"}),
                               ("auto", set())):      # CPU tensors: "auto" keeps the reference

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
 from model.lora import LoRALinear, linear_names, lora_modules
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -33,7 +34,7 @@ def randomise_b(model, seed=3, std=0.2):
 
 def test_inject_freezes_base_and_only_lora_trains():
     m = tiny()
-    wrapped = inject_lora(m, ["q_proj", "v_proj", "down_proj"], r=4, alpha=8)
+    wrapped = inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj", "down_proj"], r=4, alpha=8))
     assert wrapped == [f"model.layers.{i}.{p}" for i in range(2)
                        for p in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
     trainable = {n for n, p in m.named_parameters() if p.requires_grad}
@@ -48,7 +49,7 @@ def test_inject_freezes_base_and_only_lora_trains():
 
 def test_backward_reaches_only_adapter():
     m = tiny()
-    inject_lora(m, ALL, r=2, alpha=2)
+    inject_lora(m, LoRAConfig(target_modules=ALL, r=2, alpha=2))
     randomise_b(m)
     m(ids()).sum().backward()
     for n, p in m.named_parameters():
@@ -61,7 +62,7 @@ def test_backward_reaches_only_adapter():
 def test_unknown_target_names_available_linears():
     m = tiny()
     with pytest.raises(ValueError) as e:
-        inject_lora(m, ["q_proj", "qkv_proj", "lm_head"], r=2, alpha=2)
+        inject_lora(m, LoRAConfig.model_construct(target_modules=["q_proj", "qkv_proj", "lm_head"], r=2, alpha=2))   # past the schema: the model checks too
     msg = str(e.value)
     assert "'qkv_proj'" in msg and "'lm_head'" in msg      # lm_head is never a target
     for name in ALL:
@@ -73,7 +74,7 @@ def test_unknown_target_names_available_linears():
 def test_zero_b_output_equals_base():
     m = tiny()
     base = copy.deepcopy(m)
-    inject_lora(m, ALL, r=4, alpha=16)
+    inject_lora(m, LoRAConfig(target_modules=ALL, r=4, alpha=16))
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(m(x), base(x), atol=0, rtol=0)
@@ -83,7 +84,7 @@ def test_zero_b_output_equals_base():
 def test_merge_equals_unmerged(tie):
     m = tiny(tie=tie)
     base = copy.deepcopy(m)
-    inject_lora(m, ["q_proj", "k_proj", "o_proj", "up_proj"], r=4, alpha=12)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "k_proj", "o_proj", "up_proj"], r=4, alpha=12))
     randomise_b(m)
     x = ids()
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_merged_weight_formula():
 def test_lora_disabled_gives_base_and_restores():
     m = tiny()
     base = copy.deepcopy(m)
-    inject_lora(m, ALL, r=4, alpha=8)
+    inject_lora(m, LoRAConfig(target_modules=ALL, r=4, alpha=8))
     randomise_b(m)
     x = ids()
     with torch.no_grad():
@@ -131,7 +132,7 @@ def test_lora_disabled_gives_base_and_restores():
 
 def test_state_dict_round_trip():
     m = tiny()
-    inject_lora(m, ["q_proj", "gate_proj"], r=3, alpha=6)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "gate_proj"], r=3, alpha=6))
     randomise_b(m)
     sd = lora_state_dict(m)
     assert set(sd) == {f"model.layers.{i}.{p}.lora_{ab}.weight" for i in range(2)
@@ -139,7 +140,7 @@ def test_state_dict_round_trip():
     assert all(not t.requires_grad for t in sd.values())
 
     other = tiny(seed=0)        # same base weights, fresh adapter (random A, zero B)
-    inject_lora(other, ["q_proj", "gate_proj"], r=3, alpha=6)
+    inject_lora(other, LoRAConfig(target_modules=["q_proj", "gate_proj"], r=3, alpha=6))
     x = ids()
     with torch.no_grad():
         assert not torch.allclose(other(x), m(x))
@@ -149,7 +150,7 @@ def test_state_dict_round_trip():
 
 def test_load_state_dict_mismatch_names_keys():
     m = tiny()
-    inject_lora(m, ["q_proj", "v_proj"], r=2, alpha=2)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj"], r=2, alpha=2))
     sd = lora_state_dict(m)
     missing = dict(sd)
     del missing["model.layers.1.self_attn.v_proj.lora_B.weight"]
@@ -165,7 +166,7 @@ def test_load_state_dict_mismatch_names_keys():
 
 def test_modules_to_save_train_in_full_and_travel_with_the_adapter():
     m = tiny()
-    inject_lora(m, ["q_proj"], r=2, alpha=2, modules_to_save=["embed_tokens", "lm_head"])
+    inject_lora(m, LoRAConfig(target_modules=["q_proj"], r=2, alpha=2, modules_to_save=["embed_tokens", "lm_head"]))
     trainable = {n for n, p in m.named_parameters() if p.requires_grad}
     assert trainable == {"model.embed_tokens.weight", "lm_head.weight"} | {
         f"model.layers.{i}.self_attn.q_proj.lora_{ab}.weight" for i in range(2) for ab in "AB"}
@@ -175,7 +176,7 @@ def test_modules_to_save_train_in_full_and_travel_with_the_adapter():
     sd = lora_state_dict(m, ["embed_tokens", "lm_head"])
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(sd)
     other = tiny()
-    inject_lora(other, ["q_proj"], r=2, alpha=2, modules_to_save=["embed_tokens", "lm_head"])
+    inject_lora(other, LoRAConfig(target_modules=["q_proj"], r=2, alpha=2, modules_to_save=["embed_tokens", "lm_head"]))
     with pytest.raises(ValueError, match="unexpected"):     # saved without declaring them: refused
         load_lora_state_dict(tiny_with(["q_proj"]), sd)
     load_lora_state_dict(other, sd, ["embed_tokens", "lm_head"])
@@ -183,12 +184,12 @@ def test_modules_to_save_train_in_full_and_travel_with_the_adapter():
     with torch.no_grad():
         torch.testing.assert_close(merge_lora(other)(x), merge_lora(m)(x), atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"modules_to_save \['norm_x'\]"):
-        inject_lora(tiny(), ["q_proj"], r=2, alpha=2, modules_to_save=["norm_x"])
+        inject_lora(tiny(), LoRAConfig.model_construct(target_modules=["q_proj"], r=2, alpha=2, modules_to_save=["norm_x"]))
 
 
 def tiny_with(targets):
     m = tiny()
-    inject_lora(m, targets, r=2, alpha=2)
+    inject_lora(m, LoRAConfig(target_modules=targets, r=2, alpha=2))
     return m
 
 
@@ -216,7 +217,7 @@ def tiny_arch(arch, seed=0) -> Decoder:
 def test_all_linear_wraps_every_projection_of_the_layout(arch):
     m = tiny_arch(arch)
     base = copy.deepcopy(m)
-    wrapped = inject_lora(m, "all-linear", r=4, alpha=8)
+    wrapped = inject_lora(m, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
     assert sorted({w.rsplit(".", 1)[-1] for w in wrapped}) == sorted(LAYOUT_PROJECTIONS[arch])
     assert len(wrapped) == 2 * len(LAYOUT_PROJECTIONS[arch])
     assert not any("lm_head" in w for w in wrapped)
@@ -246,7 +247,7 @@ def test_targets_the_layout_lacks_are_refused_naming_the_supported_set(arch, tar
     from model.lora import LoRAConfigError
     m = tiny_arch(arch)
     with pytest.raises(LoRAConfigError) as e:
-        inject_lora(m, targets, r=2, alpha=2)
+        inject_lora(m, LoRAConfig(target_modules=targets, r=2, alpha=2))
     msg = str(e.value)
     assert f"lora.target_modules {bad} not found in the model ({arch} layout)" in msg
     assert f"supported: {sorted(LAYOUT_PROJECTIONS[arch])} or 'all-linear'" in msg
@@ -290,7 +291,7 @@ def test_fused_kernels_match_reference_on_biased_and_fused_layouts(arch):
     for backend in ("reference", "triton"):
         with kernels.using(backend):
             m = tiny_arch(arch)
-            inject_lora(m, "all-linear", r=4, alpha=8, modules_to_save=["lm_head"])
+            inject_lora(m, LoRAConfig(target_modules="all-linear", r=4, alpha=8, modules_to_save=["lm_head"]))
             randomise_b(m, std=0.1)
             m.train()
             logits = m(ids())

@@ -4,6 +4,7 @@ import torch
 
 from model import Decoder, DecoderConfig
 from model.hf import save_hf
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -137,7 +138,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_grads(lora):
     for ckpt in (False, True):
         m = tiny()
         if lora:
-            inject_lora(m, ["q_proj", "down_proj"], r=4, alpha=8)
+            inject_lora(m, LoRAConfig(target_modules=["q_proj", "down_proj"], r=4, alpha=8))
             for mod in m.modules():       # a non-zero B so the adapter's gradients are non-trivial
                 if hasattr(mod, "lora_B"):
                     torch.nn.init.normal_(mod.lora_B.weight, std=0.1, generator=torch.Generator().manual_seed(1))

@@ -17,6 +17,7 @@ from model.lora import LoRAConfigError, LoRALinear, lora_modules
 from model.quant import NF4Weight, quantize_nf4
 from tests.model.test_lora import VOCAB, ids, randomise_b
 from tests.kernel_check import Tol, check, close, lora_inputs, masked_lora_reference
+from configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -124,8 +125,8 @@ def quantised(model: Decoder) -> Decoder:
 
 def test_inject_keeps_the_base_in_4_bits_and_saves_only_the_adapter():
     m, plain = tiny(), tiny()
-    wrapped = inject_lora(m, "all-linear", r=4, alpha=8, quantization="nf4")
-    inject_lora(plain, "all-linear", r=4, alpha=8)
+    wrapped = inject_lora(m, LoRAConfig(target_modules="all-linear", r=4, alpha=8, quantization="nf4"))
+    inject_lora(plain, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
     layer = m.model.layers[0].self_attn.q_proj
     assert layer.weight is None and layer.nf4.packed.numel() == 64 * 64 // 2
     assert not any(n.endswith("_proj.weight") for n, _ in m.named_parameters())
@@ -142,7 +143,7 @@ def test_inject_keeps_the_base_in_4_bits_and_saves_only_the_adapter():
 def test_forward_uses_the_dequantised_base_and_disabled_drops_the_adapter():
     m = tiny()
     expected_base = quantised(m)
-    inject_lora(m, "all-linear", r=4, alpha=8, quantization="nf4")
+    inject_lora(m, LoRAConfig(target_modules="all-linear", r=4, alpha=8, quantization="nf4"))
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(m(x), expected_base(x), atol=1e-5, rtol=1e-5)     # B = 0
@@ -167,7 +168,7 @@ def test_merge_gives_dequantised_weight_plus_delta():
     torch.testing.assert_close(lora(x), x @ expected.T + lin.bias, atol=1e-5, rtol=1e-5)
 
     m = tiny()
-    inject_lora(m, ["q_proj", "down_proj"], r=4, alpha=8, quantization="nf4")
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "down_proj"], r=4, alpha=8, quantization="nf4"))
     randomise_b(m)
     with torch.no_grad():
         before = m(ids())
@@ -190,9 +191,9 @@ def test_moves_and_casts_with_the_module():
 def test_a_layer_whose_size_is_not_a_multiple_of_64_is_named():
     m = tiny(hidden_size=40, intermediate_size=72)        # k/v_proj: 20 × 40 = 800 weights
     with pytest.raises(LoRAConfigError, match=r"model.layers.0.self_attn.k_proj \(20×40\).*lora.quantization"):
-        inject_lora(m, "all-linear", r=2, alpha=2, quantization="nf4")
+        inject_lora(m, LoRAConfig(target_modules="all-linear", r=2, alpha=2, quantization="nf4"))
     assert not lora_modules(m)                             # refused before anything was wrapped
-    inject_lora(m, ["q_proj", "gate_proj"], r=2, alpha=2, quantization="nf4")     # 40×40, 72×40: fine
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "gate_proj"], r=2, alpha=2, quantization="nf4"))     # 40×40, 72×40: fine
 
 
 def test_an_nf4_adapter_is_applied_to_the_dequantised_base(tmp_path):
@@ -200,7 +201,7 @@ def test_an_nf4_adapter_is_applied_to_the_dequantised_base(tmp_path):
     from model.adapters import apply_adapter, save_adapter
     lora = LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "up_proj"], quantization="nf4")
     trained = tiny()
-    inject_lora(trained, lora.target_modules, lora.r, lora.alpha, quantization=lora.quantization)
+    inject_lora(trained, lora)
     randomise_b(trained)
     nf4, plain = tmp_path / "nf4", tmp_path / "plain"
     for d, q in ((nf4, "nf4"), (plain, "none")):

@@ -14,6 +14,7 @@ import pytest
 
 from tests.reliability.conftest import (REPO, USER_ERROR_EXIT, changed, error_line, run_cli, snapshot,
                                         tiny_hf_base, write_config)
+from configs.schema import LoRAConfig
 
 GOOD_SFT = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -229,7 +230,7 @@ def test_lora_target_the_base_model_lacks(workdir, base_model, tmp_path):
         if hasattr(module, "gate_proj"):
             del module.gate_proj
     with pytest.raises(LoRAConfigError, match=r"lora.target_modules \['gate_proj'\] not found"):
-        inject_lora(model, ["q_proj", "gate_proj"], r=4, alpha=8)
+        inject_lora(model, LoRAConfig(target_modules=["q_proj", "gate_proj"], r=4, alpha=8))
 
 
 # ---------------------------------------------------------------- under Prefect

@@ -97,7 +97,7 @@ def build_export(tmp: Path, arch: str = "qwen3", *, seed: int = 0, eval_metrics:
         lora = LoRAConfig(r=8, alpha=16, modules_to_save=["embed_tokens", "lm_head"] if name == "sft" and
                           sft_modules_to_save else [])
         model = load_policy(dirs["base"], *([dirs["sft"]] if name == "dpo" else []))
-        inject_lora(model, lora.target_modules, lora.r, lora.alpha, modules_to_save=lora.modules_to_save)
+        inject_lora(model, lora)
         with torch.no_grad():
             for m in lora_modules(model).values():
                 m.lora_B.weight.normal_(std=std)

@@ -36,7 +36,7 @@ def _flag(args: list[str], name: str) -> str | None:
 
 
 def test_vllm_args_on_cpu(tmp_path):
-    lora = {"tiny": _adapter(tmp_path / "dpo", 16), "tiny-dpo": tmp_path / "dpo"}
+    lora = {"tiny": (tmp_path / "dpo", 16), "tiny-dpo": (tmp_path / "dpo", 16)}
     args = vs.vllm_args(tmp_path / "m", port=9000, served_model_name=["tiny-sft"], lora_modules=lora, device="cpu",
                         max_num_seqs=8)
     assert _flag(args, "--kv-cache-memory-bytes") == str(256 * 2**20) and "--enforce-eager" in args
@@ -52,9 +52,7 @@ def test_vllm_args_on_cpu(tmp_path):
 
 
 def test_vllm_args_on_cuda(tmp_path):
-    _adapter(tmp_path / "dpo", 8)
-    _adapter(tmp_path / "dpo-vllm", 8)       # a GLM-4 split form beside the adapter is what vLLM gets
-    args = vs.vllm_args(tmp_path / "m", port=9000, served_model_name=["a", "b"], lora_modules={"x": tmp_path / "dpo"},
+    args = vs.vllm_args(tmp_path / "m", port=9000, served_model_name=["a", "b"], lora_modules={"x": (tmp_path / "dpo-vllm", 8)},
                         device="cuda", tensor_parallel_size=4, max_num_seqs=256, max_lora_rank=64, dtype="bfloat16")
     assert args[args.index("--served-model-name") + 1:args.index("--served-model-name") + 3] == ["a", "b"]
     assert _flag(args, "--tensor-parallel-size") == "4" and _flag(args, "--gpu-memory-utilization") == "0.45"
@@ -64,7 +62,7 @@ def test_vllm_args_on_cuda(tmp_path):
     args = vs.vllm_args(tmp_path / "m", port=9000, served_model_name="a", device="cuda", gpu_memory_utilization=0.9)
     assert _flag(args, "--gpu-memory-utilization") == "0.9"
     with pytest.raises(UserError, match="serve.max_lora_rank is 1, below the served adapters' rank"):
-        vs.vllm_args(tmp_path / "m", port=9000, served_model_name="a", lora_modules={"x": tmp_path / "dpo"},
+        vs.vllm_args(tmp_path / "m", port=9000, served_model_name="a", lora_modules={"x": (tmp_path / "dpo", 8)},
                      device="cuda", max_lora_rank=1)
     with pytest.raises(UserError, match="no adapter is served"):
         vs.vllm_args(tmp_path / "m", port=9000, served_model_name="a", device="cuda", max_lora_rank=8)
@@ -98,6 +96,36 @@ def test_serving_plan(tmp_path):
     (tmp_path / "adapters" / "dpo" / "adapter_config.json").write_text(json.dumps({"r": 16, "modules_to_save": ["lm_head"]}))
     fallback = serving_plan(tmp_path, "tiny")
     assert fallback["model"] == "merged" and "adapters/dpo" in fallback["not_served"]
+
+
+def test_serving_plan_reads_the_export_manifest(tmp_path):
+    """What the server loads (the -vllm form where export wrote one) and at which rank is what export recorded
+    in its manifest; the adapter files are read only for an export made before the record existed."""
+    from artifacts import build
+    from serve.deploy import serving_plan
+
+    def export(tmp):
+        (tmp / "sft_merged").mkdir(parents=True)
+        (tmp / "sft_merged" / "config.json").write_text("{}")
+        _adapter(tmp / "adapters" / "dpo", 16)
+        _adapter(tmp / "adapters" / "dpo-vllm", 16)        # a GLM-4 split form beside the adapter
+        _adapter(tmp / "adapters" / "sft", 16)
+        from model.adapters import served_form
+        return {"adapters": {n: served_form(tmp, f"adapters/{n}") for n in ("sft", "dpo")}}
+
+    export(tmp_path / "legacy")                        # no manifest: read from the files
+    legacy = serving_plan(tmp_path / "legacy", "tiny")
+    assert legacy["names"]["tiny"]["lora"] == "adapters/dpo-vllm" and legacy["names"]["tiny"]["r"] == 16
+
+    def stage(tmp):
+        metrics = export(tmp)
+        metrics["adapters"]["dpo"]["r"] = 64           # the manifest, not the adapter file, decides
+        return metrics
+    ref = build(tmp_path / "export", "export", stage)
+    plan = serving_plan(Path(ref.path), "tiny")
+    assert {n: (s["lora"], s.get("r")) for n, s in plan["names"].items()} == {
+        "tiny-sft": (None, None), "tiny": ("adapters/dpo-vllm", 64), "tiny-dpo": ("adapters/dpo-vllm", 64)}
+    assert plan["not_served"] == {}
 
 
 class _Backend(http.server.ThreadingHTTPServer):

@@ -15,8 +15,8 @@ STAGE_INPUTS = [s for s in STAGES if STAGES[s].cached]
 UP = [{"stage": "data", "path": "/x/data", "digest": "a" * 64}, {"stage": "tok", "path": "/x/tok", "digest": "b" * 64}]
 
 
-def cfgd(**overrides) -> dict:
-    return load_config("tiny", overrides).model_dump(mode="json")
+def cfgd(**overrides):
+    return load_config("tiny", overrides)
 
 
 def key(stage, cfg=None, upstream=UP, out=Path("/runs/tiny/x")):
@@ -183,7 +183,7 @@ def test_not_reusable_without_cache_key(tmp_path):
 # ---------------------------------------------------------------- code each stage runs
 
 OUR_PACKAGES = ("artifacts", "configs", "data", "engine", "export", "kernels", "model", "serve", "tasks")
-STAGE_ENTRY = {name: stage.run.split(":")[0] for name, stage in STAGES.items() if stage.cached}
+STAGE_ENTRY = {name: stage.run.__module__ for name, stage in STAGES.items() if stage.cached}
 
 
 def _module_file(name: str) -> Path | None:

@@ -19,9 +19,9 @@ CHAT = [{"conversations": [{"role": "user", "content": f"Say {w}."}, {"role": "a
 
 
 def _run_chain(cfg) -> None:
-    cfg_dict, refs = cfg.model_dump(mode="json"), {}
-    for name in chain(cfg_dict):
-        ref, _ = build_stage(name, cfg, {k: refs[s] for k, s in upstream(name, cfg_dict).items()})
+    refs = {}
+    for name in chain(cfg):
+        ref, _ = build_stage(name, cfg, {k: refs[s] for k, s in upstream(name, cfg).items()})
         refs[name] = ref.to_dict()
 
 
@@ -81,8 +81,7 @@ def test_a_code_change_names_the_packages(built, monkeypatch):
 def test_the_stage_logs_the_same_reasons_when_it_runs(built, caplog):
     _, path = built
     cfg = load_config(path, {"dpo.beta": 0.3, "run_name": "case"})
-    cfg_dict = cfg.model_dump(mode="json")
-    inputs = {k: artifacts.ref_for(cfg.stage_dir(s)).to_dict() for k, s in upstream("dpo", cfg_dict).items()}
+    inputs = {k: artifacts.ref_for(cfg.stage_dir(s)).to_dict() for k, s in upstream("dpo", cfg).items()}
     with caplog.at_level(logging.INFO, logger="glm_lora.stages"):
         build_stage("dpo", cfg, inputs)
     assert "dpo: running: config dpo.beta: 0.1 → 0.3" in caplog.text

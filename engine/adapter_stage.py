@@ -1,0 +1,53 @@
+"""The one LoRA adapter stage: SFT, DPO and every later adapter-training loss run through `train_adapter`.
+
+A stage names its loss, how its starting model is loaded and how the trained model is evaluated; this
+function does the rest the same way for all of them: seed, data, LoRA injection (the stage's `lora`
+section), the training loop with checkpoints (engine/fit.py), consolidation under torchrun, held-out
+evaluation on rank 0 and the adapter files (model/adapters.py).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from configs.schema import Config
+from data.pipeline import StageData
+from engine.fit import check_seq_len, consolidated, fit, setup
+from model import Decoder, inject_lora
+from model.adapters import save_adapter
+
+log = logging.getLogger("glm_lora.adapter")
+
+LoadModel = Callable[[dict[str, Path]], Decoder]                  # the stage's inputs → its starting model
+Evaluate = Callable[[Config, Decoder, object, Path], dict]        # (cfg, trained model, tokenizer, data dir)
+
+
+def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage: str, load_model: LoadModel,
+                  loss: Callable, evaluate: Evaluate) -> dict:
+    """Train a fresh LoRA adapter (config section `cfg.<stage>`) on the model `load_model(inputs)` gives,
+    with `loss(model, batch) -> (loss, metrics)`; save it to `out_dir` and return the stage's metrics
+    (`evaluate`'s under "eval" when eval.enabled). Under torchrun only rank 0 evaluates and saves."""
+    tc = getattr(cfg, stage)
+    rt = setup(cfg, tc.seed)            # seeds before the model is built: the adapter's init is reproducible
+    data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
+    model = load_model(inputs)
+    check_seq_len(tc.seq_len, model, stage)
+    inject_lora(model, tc.lora)
+    log.info("%s: %.3fM trainable of %.2fM", stage, model.num_params(True) / 1e6, model.num_params() / 1e6)
+    metrics = fit(stage, cfg, tc, model, loss, data, list(inputs.values()), rt, out_dir)
+    model = consolidated(model, rt, lambda: _with_lora(Decoder(model.config), tc.lora))   # None off rank 0
+    if model is None:
+        return metrics
+    if cfg.eval.enabled:
+        metrics["eval"] = evaluate(cfg, model, data.tok, data.data_dir)
+        log.info("%s eval: %s", stage, {k: v for k, v in metrics["eval"].items() if k not in ("samples",)})
+    save_adapter(model.cpu(), tc.lora, out_dir)
+    return {**metrics, "trainable_params": model.num_params(True)}
+
+
+def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
+    inject_lora(model, lora)
+    return model

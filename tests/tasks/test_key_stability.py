@@ -1,0 +1,26 @@
+"""The config part of every stage's cache key is what it was at deefde7 (before the Config stopped being
+passed around as a dict): a run directory published by that version is reused for its config and data
+whenever the code packages are unchanged. A change here is a deliberate schema change, not a refactor."""
+import json
+from pathlib import Path
+
+import pytest
+
+from configs import load_config
+from tasks.cache import key_parts
+from tasks.table import STAGES
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "key_parts_deefde7.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN))
+def test_config_sections_of_the_key_are_unchanged(case):
+    preset_overrides, stage = case.rsplit(":", 1)
+    preset, overrides = preset_overrides.split("{", 1)
+    cfg = load_config(preset, json.loads("{" + overrides))
+    parts = key_parts(stage, cfg, [], Path("/x"))
+    assert {"config": parts["config"], "user_files": parts["user_files"]} == GOLDEN[case]
+
+
+def test_every_stage_is_covered():
+    assert {c.rsplit(":", 1)[1] for c in GOLDEN} == set(STAGES)

@@ -17,7 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # Projection names of every supported layout (gate_up_proj: GLM's fused MLP input). Which of them a
 # model has depends on its layout (model.arch or the base model): checked when LoRA is injected.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj",
+                # mixture of experts (glm4_moe): the shared expert only, the routed experts only (per expert)
+                "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj",
+                "experts.gate_proj", "experts.up_proj", "experts.down_proj")
 ALL_LINEAR = "all-linear"   # PEFT's term: every linear projection of the layout (not the output head)
 
 
@@ -149,8 +152,9 @@ class LoRAConfig(Section):
     # model must have (checked at injection: gate_up_proj exists only in GLM layouts, gate_proj/up_proj only in others).
     target_modules: list[str] | Literal["all-linear"] = ALL_LINEAR
     b_lr_ratio: float = Field(1.0, gt=0)   # LoRA+: B's learning rate = this × lr (1 = plain LoRA)
-    # Trained in full beside the adapter and saved with it (PEFT's modules_to_save).
-    modules_to_save: list[Literal["embed_tokens", "lm_head"]] = []
+    # Trained in full beside the adapter and saved with it (PEFT's modules_to_save); "gate": a MoE model's
+    # router (GLM-4.5's mlp.gate), frozen unless named here.
+    modules_to_save: list[Literal["embed_tokens", "lm_head", "gate"]] = []
     # QLoRA: "nf4" keeps the frozen base weight of each target layer in 4 bits (bitsandbytes' NF4 with
     # double-quantised scales, ~0.52 byte a weight instead of 2-4) and dequantises it for every use; the
     # adapter stays in the model's dtype. Merging and export use the dequantised base. model/quant.py.
@@ -203,6 +207,9 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0)
     patience: int = Field(0, ge=0)        # stop after this many validations without improvement; 0 = never
     min_delta: float = Field(0.0, ge=0)   # an improvement must lower the validation loss by more than this
+    # Mixture-of-experts models: weight of DeepSeek-V3's load-balance loss added to the stage's loss; 0 = off
+    # (the default: under LoRA the router is frozen). Router health is reported either way (engine/router_stats.py).
+    router_aux_loss: float = Field(0.0, ge=0)
 
 
 class SFTConfig(TrainConfig):

@@ -2,11 +2,13 @@
 
 A stage names its loss, how its starting model is loaded and how the trained model is evaluated; this
 function does the rest the same way for all of them: seed, data, LoRA injection (the stage's `lora`
-section), the training loop with checkpoints (engine/fit.py), consolidation under torchrun, held-out
-evaluation on rank 0 and the adapter files (model/adapters.py).
+section), router health on a mixture-of-experts model (engine/router_stats.py), the training loop with
+checkpoints (engine/fit.py), consolidation under torchrun, held-out evaluation on rank 0 and the adapter
+files (model/adapters.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Callable
@@ -15,8 +17,11 @@ import torch
 
 from configs.schema import Config
 from data.pipeline import StageData
+from engine import dist
 from engine.fit import check_seq_len, consolidated, fit, setup
+from engine.router_stats import RouterHealth
 from model import Decoder, inject_lora
+from model.lora import cast_frozen_gemm_weights
 from model.adapters import save_adapter
 
 log = logging.getLogger("glm_lora.adapter")
@@ -36,16 +41,35 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     model = load_model(inputs)
     check_seq_len(tc.seq_len, model, stage)
     inject_lora(model, tc.lora)
+    low_precision = _frozen_gemm_weights_in_compute_dtype(model, cfg, stage, rt)
     log.info("%s: %.3fM trainable of %.2fM", stage, model.num_params(True) / 1e6, model.num_params() / 1e6)
-    metrics = fit(stage, cfg, tc, model, loss, data, list(inputs.values()), rt, out_dir)
+    health = RouterHealth(model, tc.router_aux_loss, stage)         # mixture of experts: routing per step
+    metrics = fit(stage, cfg, tc, model, health.wrap(loss) if health else loss, data, list(inputs.values()), rt,
+                  out_dir, window_metrics=health.end_window if health else None)
+    if health:
+        metrics["router"] = health.summary()
     model = consolidated(model, rt, lambda: _with_lora(Decoder(model.config), tc.lora))   # None off rank 0
     if model is None:
         return metrics
     if cfg.eval.enabled:
-        metrics["eval"] = evaluate(cfg, model, data.tok, data.data_dir)
+        with rt.autocast() if low_precision else contextlib.nullcontext():
+            metrics["eval"] = evaluate(cfg, model, data.tok, data.data_dir)
         log.info("%s eval: %s", stage, {k: v for k, v in metrics["eval"].items() if k not in ("samples",)})
     save_adapter(model.cpu(), tc.lora, out_dir)
     return {**metrics, "trainable_params": model.num_params(True)}
+
+
+def _frozen_gemm_weights_in_compute_dtype(model: Decoder, cfg: Config, stage: str, rt) -> bool:
+    """A mixture-of-experts base on CUDA under bf16/fp16 autocast: its frozen GEMM weights (linear layers, the
+    routed experts) are kept in the compute dtype, as a user loads such a model (half the memory of fp32; every
+    matmul already ran in that dtype under autocast). The adapter, norms and embeddings stay fp32. Not under
+    FSDP2, whose mixed-precision policy does this per all-gather. Returns whether it did (evaluation then runs
+    under autocast too)."""
+    if not (model.config.layout.moe and rt.device.type == "cuda" and rt.dtype != torch.float32) or (
+            rt.dist and dist.strategy_for(cfg, stage) == "fsdp2"):
+        return False
+    cast_frozen_gemm_weights(model, rt.dtype)
+    return True
 
 
 def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:

@@ -14,8 +14,8 @@ step's shapes are fixed: batch_size x seq_len packed rows) and the eager method 
 greedy decoding: other and changing shapes that would each cost a recompile). Losses, optimizer and
 clipping stay eager: the lm_head runs on a data-dependent number of answer rows.
 
-Falls back to eager, with a warning, where compiling can't work: no C++ compiler for inductor, a CUDA
-device (the fused Triton kernels are used there; compile of those paths is not measured), or several
+Falls back to eager, with a warning, where compiling can't work: a mixture-of-experts model, no C++ compiler
+for inductor, a CUDA device (the fused Triton kernels are used there; compile of those paths is not measured), or several
 processes (DDP/FSDP2 wrap the model; not measured). If the compile itself fails on the first call, that
 call and the rest of the stage run eager.
 
@@ -45,8 +45,11 @@ def cxx_compiler() -> str | None:
         return None
 
 
-def unavailable(device: torch.device, dist) -> str | None:
+def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None) -> str | None:
     """Why compiling can't be used here, or None if it can."""
+    layout = getattr(getattr(model, "config", None), "layout", None)
+    if getattr(layout, "moe", False):
+        return "mixture-of-experts layers (each step's expert batches have new sizes: a recompile every step)"
     if device.type != "cpu":
         return f"device {device.type} (only the CPU path is compiled; CUDA uses the fused Triton kernels)"
     if dist is not None:
@@ -75,7 +78,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool, *, device: torch.de
     plus one forward), compile_fallback (why eager, if it was asked for and not used)."""
     info: dict = {"compile": False}
     cache = cache_dir(runs_dir) if enabled else None      # before anything of inductor's reads it
-    why = unavailable(device, dist) if enabled else None
+    why = unavailable(device, dist, model) if enabled else None
     if not enabled or why:
         if why:
             log.warning("%s.compile: running eager: %s", name, why)

@@ -51,9 +51,10 @@ def check_seq_len(seq_len: int, model, key: str) -> None:
 
 
 def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageData, inputs: list[Path], rt: Runtime,
-        out_dir: Path) -> dict:
+        out_dir: Path, window_metrics: Callable[[], dict] | None = None) -> dict:
     """Train `model` on the stage's split with checkpoints, validation and early stopping; return its metrics.
-    Several processes: every rank trains its share; rank 0 writes the metrics files."""
+    Several processes: every rank trains its share; rank 0 writes the metrics files. `window_metrics()` adds to
+    each logging window's line what only a whole window tells (a MoE model's idle experts)."""
     d = rt.dist
     strategy = dist.strategy_for(cfg, stage) if d else None
     section = tc        # as configured: names the checkpoint directory, which must not depend on the world size
@@ -80,6 +81,7 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
     with (open(Path(out_dir) / METRICS, "a", encoding="utf-8") if rt.main    # a JSON line per logging window
           else contextlib.nullcontext()) as metrics:
         def on_log(window: dict) -> None:
+            window = {**window, **(window_metrics() if window_metrics else {})}
             print(json.dumps(window), file=metrics, flush=True)
             progress.report({"stage": stage, "step": window["step"], "max_steps": tc.max_steps,
                              "loss": window.get("loss"), "tokens_per_s": window.get("tokens_per_s"),

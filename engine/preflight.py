@@ -9,26 +9,28 @@ training run; each raises a UserError naming the file and key.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from configs.errors import UserError
 from configs.schema import Config
 from engine import dist
+from engine.memory import GiB, describe, lora_memory
 from data.prepare import base_tokenizer_files, check_user_paths
 from data.tokenizer import load_tokenizer
 from model.hf import check_tokenizer_fits, check_weights, read_hf_config
-from model.lora import check_nf4_blocks, check_targets, target_names
-from model.model import Decoder, DecoderConfig
+from model.lora import check_lora
+from model.model import DecoderConfig
+
+log = logging.getLogger("glm_lora.preflight")
 
 
 def preflight(cfg: Config) -> None:
     check_user_paths(cfg.data)
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     if cfg.base_model is None:
-        layout = DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1})
-        for key, lora in (("sft.lora.target_modules", cfg.sft.lora), ("dpo.lora.target_modules", cfg.dpo.lora)):
-            check_targets(layout, lora.target_modules, key)
-        _check_quantizable(cfg, layout)
+        _check_lora(cfg, DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1}))
         return
     if not cfg.base_model.is_dir():
         raise UserError(f"base_model: {cfg.base_model} is not a directory (expected a local Hugging Face model dir)")
@@ -37,9 +39,8 @@ def preflight(cfg: Config) -> None:
     check_weights(cfg.base_model)
     base_tokenizer_files(cfg.base_model)
     check_tokenizer_fits(cfg.base_model, len(load_tokenizer(cfg.base_model)))
-    for key, lora in (("sft.lora.target_modules", cfg.sft.lora), ("dpo.lora.target_modules", cfg.dpo.lora)):
-        check_targets(layout, lora.target_modules, key)
-    _check_quantizable(cfg, layout)
+    _check_lora(cfg, layout)
+    _check_memory(cfg, layout)
     lengths = {"sft.seq_len": cfg.sft.seq_len, "dpo.seq_len": cfg.dpo.seq_len}     # pretraining is skipped
     if cfg.serve.enabled:
         lengths["serve.max_model_len"] = cfg.serve.max_model_len
@@ -49,11 +50,26 @@ def preflight(cfg: Config) -> None:
                             f"{cfg.base_model / 'config.json'}; lower {key}")
 
 
-def _check_quantizable(cfg: Config, layout: DecoderConfig) -> None:
-    """lora.quantization nf4: every target layer's weight splits into whole 64-weight blocks (a model on the
-    meta device: shapes only, no memory)."""
-    with torch.device("meta"):
-        model = Decoder(layout)
-    for key, lora in (("sft.lora.quantization", cfg.sft.lora), ("dpo.lora.quantization", cfg.dpo.lora)):
-        if lora.quantization == "nf4":
-            check_nf4_blocks(model, target_names(model, lora.target_modules), key)
+def _check_lora(cfg: Config, layout: DecoderConfig) -> None:
+    """Each LoRA stage's targets exist in the layout, fit the experts' rules and (nf4) split into whole blocks:
+    model/lora.py's own checks on a model of this layout on the meta device."""
+    for section, lora in (("sft.lora", cfg.sft.lora), ("dpo.lora", cfg.dpo.lora)):
+        check_lora(layout, lora, section)
+
+
+def _check_memory(cfg: Config, layout: DecoderConfig) -> None:
+    """A base model's LoRA stages must fit the GPU they run on (engine/memory.py's estimate, per process): too
+    big is refused before anything runs, naming what to change. Logged for a mixture-of-experts base."""
+    on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    for stage, tc in (("sft", cfg.sft), ("dpo", cfg.dpo)):
+        need = lora_memory(layout, tc.lora, tc, world_size=dist.world_size(cfg), strategy=dist.strategy_for(cfg, stage),
+                           cuda_half=on_cuda and cfg.precision != "fp32")
+        if layout.layout.moe:
+            log.info("%s needs about %.1f GiB per process (%s)", stage, need["total"] / GiB, describe(need))
+        if on_cuda:
+            have = torch.cuda.get_device_properties(0).total_memory
+            if need["total"] > 0.95 * have:
+                raise UserError(f"{stage} needs about {need['total'] / GiB:.1f} GiB per GPU ({describe(need)}) and "
+                                f"this GPU has {have / GiB:.1f} GiB (base_model {cfg.base_model}): set dist.strategy fsdp2 "
+                                f"over more GPUs (dist.nproc_per_node), {stage}.activation_checkpointing: true, a "
+                                f"smaller {stage}.batch_size, or {stage}.lora.quantization nf4 (non-expert layers)")

@@ -68,30 +68,81 @@ def _targets(state: dict[str, torch.Tensor]) -> list[str]:
     return sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in state if ".lora_" in k})
 
 
-def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig, base_model_path: str) -> None:
+def _all_expert_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's loader reads per-expert keys only as the full gate/up + down set of a layer's experts; a layer whose
+    experts have LoRA on some of them gets zero factors for the others (a zero update: the same model)."""
+    out = dict(state)
+    layers = {k.split(".mlp.experts.")[0] for k in state if ".mlp.experts." in k and state[k].dim() == 3}
+    for layer in layers:
+        f = {p: (state.get(f"{layer}.mlp.experts.{p}.lora_A.weight"), state.get(f"{layer}.mlp.experts.{p}.lora_B.weight"))
+             for p in ("gate_proj", "up_proj", "down_proj")}
+        a, b = next(v for v in f.values() if v[0] is not None)
+        E, r = a.shape[:2]
+        C, I = (a.shape[2], b.shape[1]) if f["gate_proj"][0] is not None or f["up_proj"][0] is not None else (b.shape[1], a.shape[2])
+        shapes = {"gate_proj": ((E, r, C), (E, I, r)), "up_proj": ((E, r, C), (E, I, r)), "down_proj": ((E, r, I), (E, C, r))}
+        for p, (fa, _) in f.items():
+            if fa is None:
+                out[f"{layer}.mlp.experts.{p}.lora_A.weight"] = a.new_zeros(shapes[p][0])
+                out[f"{layer}.mlp.experts.{p}.lora_B.weight"] = a.new_zeros(shapes[p][1])
+    return out
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our routed experts' stacked LoRA factors (`….mlp.experts.gate_proj.lora_A.weight`, (E, r, in)) as one 2D
+    tensor per expert (`….mlp.experts.{e}.gate_proj.lora_A.weight`): the keys PEFT and vLLM read."""
+    out = {}
+    for key, t in state.items():
+        if ".mlp.experts." in key and t.dim() == 3:
+            head, tail = key.split(".mlp.experts.", 1)
+            out |= {f"{head}.mlp.experts.{e}.{tail}": t[e].contiguous() for e in range(t.shape[0])}
+        else:
+            out[key] = t
+    return out
+
+
+def _moe_targets(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict:
+    """adapter_config.json's targets for a GLM-4.5 (glm4_moe) adapter, in the form transformers 5 + PEFT load
+    exactly and vLLM takes too (measured: PEFT 0.21's loader turns per-expert keys into its 3D experts LoRA —
+    gate and up as one rank-2r pair, hence the patterns — and would drop MLP keys listed in target_modules)."""
+    paths = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in state if ".lora_" in k}
+    attention = sorted({p.rsplit(".", 1)[1] for p in paths if ".self_attn." in p})
+    mlp = {p for p in paths if ".mlp." in p and ".mlp.experts." not in p}
+    parameters = sorted({".".join(p.rsplit(".", 2)[-2:]) + ".weight" for p in mlp})   # mlp.gate_proj, shared_experts.…
+    experts = {p.rsplit(".", 1)[1] for p in paths if ".mlp.experts." in p}
+    parameters += [f"mlp.experts.{w}" for w, parts in (("gate_up_proj", {"gate_proj", "up_proj"}),
+                                                         ("down_proj", {"down_proj"})) if parts & experts]
+    fused = {".*\\.gate_up_proj": 2 * lora.r} if {"gate_proj", "up_proj"} & experts else {}
+    return {"target_modules": attention, "target_parameters": parameters or None, "rank_pattern": fused,
+            "alpha_pattern": {k: 2 * lora.alpha for k in fused}}
+
+
+def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig, base_model_path: str,
+                moe: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
+    state = _all_expert_projections(state) if moe else state
+    save_file(per_expert(state), out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
         "target_modules": _targets(state), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "modules_to_save": lora.modules_to_save or None, "use_dora": False, "use_rslora": False,
         "init_lora_weights": True,
-    }
+    } | (_moe_targets(state, lora) if moe else {})
     (out_dir / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     if lora.quantization == "nf4":      # load its base as trained: BitsAndBytesConfig(**quantization_config)
         (out_dir / BASE_QUANTIZATION).write_text(json.dumps({"quantization_config": NF4_BNB_CONFIG}, indent=2))
 
 
 def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str,
-                       vllm_split_gate_up: bool = False) -> bool:
+                       vllm_split_gate_up: bool = False, moe: bool = False) -> bool:
     """Our adapter (keys `<path>.lora_A.weight`) → PEFT's adapter_config.json + adapter_model.safetensors
     in out_dir; with `vllm_split_gate_up` and a LoRA on a fused gate_up_proj, also the split form vLLM's
-    native Glm4 loads, in `<out_dir>-vllm/`. Returns whether that split form was written."""
+    native Glm4 loads, in `<out_dir>-vllm/`; `moe` (a glm4_moe base): routed experts one key per expert and the
+    config PEFT needs for them (`_moe_targets`). Returns whether the split form was written."""
     out_dir = Path(out_dir)
     lora, ours = read_adapter(adapter_dir)
     state = {f"base_model.model.{k}": v for k, v in ours.items()}
-    _write_peft(out_dir, state, lora, base_model_path)
+    _write_peft(out_dir, state, lora, base_model_path, moe)
     split = vllm_split(state) if vllm_split_gate_up else None
     if split is not None:
         _write_peft(out_dir.with_name(out_dir.name + VLLM_SUFFIX), split, lora, base_model_path)
@@ -145,14 +196,15 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     if cfg.eval.enabled and cfg.eval.compare_prompts:
         (out_dir / COMPARE).write_text(compare_report(models, tok, cfg.eval.compare_prompts, cfg.eval.max_new_tokens))
     arch = models["pretrain"].config.arch
+    moe = models["pretrain"].config.layout.moe
     split = write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", "../../base",
-                               vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS)
+                               vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
     write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", "../../sft_merged",
-                       vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS)
+                       vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
     evals = collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)
     _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), split)
     return {"dtype": cfg.serve.dtype, "architecture": arch,
-            "adapters": {n: served_form(out_dir, f"adapters/{n}") for n in ("sft", "dpo")}, "eval": evals}
+            "adapters": {n: served_form(out_dir, f"adapters/{n}", moe) for n in ("sft", "dpo")}, "eval": evals}
 
 
 

@@ -17,6 +17,7 @@ from configs import ConfigError, load_config
 from configs.errors import UserError
 from configs.schema import Config
 from engine.preflight import preflight
+from serve.stage import serving_notes
 from tasks.stages import TASKS
 from tasks.table import STAGES, chain, upstream
 
@@ -39,6 +40,8 @@ def glm_lora(config: str = "tiny", overrides: dict[str, Any] | None = None,
         if unknown:
             raise ConfigError(f"refresh: unknown stages {sorted(unknown)}; stages are {list(STAGES)}")
         preflight(cfg)
+        for note in serving_notes(cfg):
+            get_run_logger().warning("%s", note)
         with run_lock(cfg.run_dir):
             return run_chain(cfg, set(refresh or ()))
     except UserError as e:

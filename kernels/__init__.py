@@ -21,6 +21,10 @@ The LoRA linear over it (nf4_lora_linear, kernels/qlora.py) is cuBLAS around tha
 forward and once in backward: forward + backward take 1.01–1.10× the bf16 lora_linear's time at 2048×5632
 and 5632×2048, 1.25–1.65× at 2048² (two runs), for a quarter of its weight's memory.
 
+grouped_mm / grouped_lora_mm (MoE experts: one weight per group of rows sorted by expert): the Triton grouped
+GEMM (kernels/triton_grouped_mm.py) on CUDA, the per-expert loop of the reference elsewhere; torch._grouped_mm
+is the alternative that `GROUPED_MM_AUTO` (below) can switch "auto" to.
+
 Not an exception but a limit, on every backend ("triton" too): apply_rope with GLM's interleaved pairs
 or partial rotary runs the reference; the Triton kernel rotates whole heads in halves only (not measured
 on GPU: GLM layouts pay eager RoPE there).
@@ -42,13 +46,14 @@ from typing import Iterator
 
 import torch
 
-from kernels import qlora, reference
+from kernels import moe, qlora, reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
 _MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
-            "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4"}
+            "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4",
+            "grouped_mm": "triton_grouped_mm", "grouped_lora_mm": "triton_grouped_mm"}
 _BACKEND, _ATTENTION = "auto", "auto"     # what the ops below dispatch on; set by use() / using()
 
 
@@ -122,7 +127,39 @@ def linear_token_logprobs(hidden, weight, labels, ignore_index=-100):
     return _impl("linear_token_logprobs", hidden)(hidden, weight, labels, ignore_index)
 
 
+# Which grouped GEMM "auto" takes on CUDA, per op: "triton" (kernels/triton_grouped_mm.py: our kernels, LoRA
+# folded into the base GEMM's tiles) or "torch" (torch._grouped_mm's CUTLASS kernel, bf16 on sm90/sm100 with
+# K, N multiples of 8 only — anything else keeps Triton — the LoRA term as two more of its GEMMs).
+# Measured (H200, bf16, bench/grouped_mm_gpu.py, 2026-12-03, 64 experts top-8 and 16 top-4, 2048 ↔ 1408, r 16,
+# p50 forward + backward): plain grouped_mm, torch 0.77–0.87× our time (1.14–1.29× in our disfavour);
+# grouped_lora_mm (W frozen), ours 0.77–0.85× torch's three calls. So "torch" would pay for grouped_mm;
+# it stays "triton" until the MoE model's step is measured with it (then set GROUPED_MM_AUTO = "torch").
+GROUPED_MM_AUTO = "triton"
+GROUPED_LORA_MM_AUTO = "triton"
+
+
+def _grouped_torch(choice: str, x, w) -> bool:
+    if _BACKEND != "auto" or choice != "torch" or not x.is_cuda:
+        return False
+    return importlib.import_module("kernels.triton_grouped_mm").torch_grouped_mm_supported(x, w)
+
+
+def grouped_mm(x, w, offsets):
+    """y[rows_g] = x[rows_g] · w[g]ᵀ, x (M, K) sorted by group, w (G, N, K), offsets (G,) int32 cumulative ends."""
+    if _grouped_torch(GROUPED_MM_AUTO, x, w):
+        return importlib.import_module("kernels.triton_grouped_mm").torch_grouped_mm(x, w, offsets)
+    return _impl("grouped_mm", x)(x, w, offsets)
+
+
+def grouped_lora_mm(x, w, a, b, scale, offsets):
+    """grouped_mm(x, w) + scale · grouped_mm(grouped_mm(x, a), b), per-group LoRA a (G, r, K), b (G, N, r)."""
+    if _grouped_torch(GROUPED_LORA_MM_AUTO, x, w) and a.shape[1] % 8 == 0:
+        return importlib.import_module("kernels.triton_grouped_mm").torch_grouped_lora_mm(x, w, a, b, scale, offsets)
+    return _impl("grouped_lora_mm", x)(x, w, a, b, scale, offsets)
+
+
 rope_cos_sin = reference.rope_cos_sin
+moe_experts = moe.moe_experts               # grouped_mm / grouped_lora_mm around the MoE routing (kernels/moe.py)
 nf4_lora_linear = qlora.nf4_lora_linear     # torch GEMMs around W rebuilt by dequantize_nf4 (above)
 
 

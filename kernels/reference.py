@@ -110,6 +110,44 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor
     return (a.float() @ b.float() + scale * (p.float() @ q.float())).to(a.dtype)
 
 
+def check_grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> None:
+    """The grouped ops' argument rules (ValueError naming the broken one): x (M, K), w (G, N, K) of x's dtype
+    and device, offsets (G,) int32 on x's device. `values`: also the offsets' values — non-decreasing, ≥ 0,
+    offsets[-1] == M — which reads them on the host (a sync on CUDA: the Triton op skips it there)."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped mm: x must be (M, K) and w (G, N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"grouped mm: x and w differ in dtype/device ({x.dtype}/{x.device} vs {w.dtype}/{w.device})")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32 or offsets.numel() != w.shape[0] or w.shape[0] == 0:
+        raise ValueError(f"grouped mm: offsets must be (G,) = ({w.shape[0]},) int32 (cumulative end rows), "
+                         f"got {tuple(offsets.shape)} {offsets.dtype}")
+    if offsets.device != x.device:
+        raise ValueError(f"grouped mm: offsets on {offsets.device}, x on {x.device}")
+    if values:
+        ends = offsets.tolist()
+        if any(e < s for s, e in zip([0] + ends, ends)) or ends[-1] != x.shape[0]:
+            raise ValueError(f"grouped mm: offsets must be non-decreasing from 0 and end at M = {x.shape[0]}, "
+                             f"got {ends[:8]}{' …' if len(ends) > 8 else ''}")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y[rows_g] = x[rows_g] · w[g]ᵀ per group g, the rows of group g being offsets[g-1]:offsets[g]
+    (torch._grouped_mm's `offs`: cumulative end rows). x (M, K) sorted by group, w (G, N, K) → y (M, N).
+
+    A Python loop over the groups, one F.linear each (the per-expert loop a MoE layer runs without a grouped
+    GEMM); differentiable by autograd, dw only when w requires grad. Reads the offsets on the host. Its
+    backward is slow by construction: each group's slice and weight index adds a full-size gradient."""
+    check_grouped(x, w, offsets)
+    ends = offsets.tolist()
+    parts = [F.linear(x[s:e], w[g]) for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)) if e > s]
+    return torch.cat(parts) if parts else x.new_empty(0, w.shape[1])
+
+
+def grouped_lora_mm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                    offsets: torch.Tensor) -> torch.Tensor:
+    """grouped_mm(x, w) + scale · grouped_mm(grouped_mm(x, a), b): per-group LoRA, a (G, r, K), b (G, N, r)."""
+    return grouped_mm(x, w, offsets) + scale * grouped_mm(grouped_mm(x, a, offsets), b, offsets)
+
 NF4_BLOCK, NESTED_BLOCK = 64, 256      # weights per absmax; absmaxes per nested (fp32) absmax
 
 

@@ -57,15 +57,17 @@ NF4_BNB_CONFIG = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_
 VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter (export/__init__.py)
 
 
-def served_form(export_dir: Path, adapter: str) -> dict:
+def served_form(export_dir: Path, adapter: str, moe: bool = False) -> dict:
     """What a server needs to know of the exported adapter `adapter` (a path in export_dir, e.g. "adapters/sft"),
     as export records it in its manifest (`adapters`): the PEFT dir, the form vLLM loads (`<dir>-vllm/` where
-    export wrote one), the rank `r`, and why vLLM cannot serve it as a LoRA (None when it can)."""
+    export wrote one), the rank `r` (the largest vLLM will see), why vLLM cannot serve it as a LoRA (None when it
+    can) and whether its base is a mixture of experts (`moe`: vLLM's CPU build serves no LoRA on one)."""
     adapter = Path(adapter)
     vllm = adapter.with_name(adapter.name + VLLM_SUFFIX)
     config = json.loads((Path(export_dir) / adapter / PEFT_CONFIG).read_text())
     return {"dir": str(adapter), "vllm_dir": str(vllm if (Path(export_dir) / vllm / PEFT_CONFIG).is_file() else adapter),
-            "r": config["r"], "unservable": vllm_unservable(Path(export_dir) / adapter)}
+            "r": max([config["r"], *(config.get("rank_pattern") or {}).values()]),   # vLLM checks the largest
+            "unservable": vllm_unservable(Path(export_dir) / adapter), "moe": moe}
 
 
 def vllm_unservable(adapter_dir: Path) -> str | None:

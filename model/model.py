@@ -1,10 +1,13 @@
-"""The glm-lora decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU — readable in one sitting.
+"""The glm-lora decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, mixture of experts — readable in
+one sitting.
 
-One decoder, five Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
-Qwen3 (q/k RMSNorm), GLM (q/k/v bias, fused gate_up_proj, GLM's interleaved partial RoPE) and GLM-4-0414
-(GLM plus a norm on each branch's output). Module names follow transformers' classes of that layout
-exactly (model.layers.N.self_attn.q_proj, ...mlp.gate_up_proj, ...) so the weight map in model/hf.py
-is one explicit list per architecture and PEFT adapter keys line up.
+One decoder, six Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
+Qwen3 (q/k RMSNorm), GLM (q/k/v bias, fused gate_up_proj, GLM's interleaved partial RoPE), GLM-4-0414
+(GLM plus a norm on each branch's output) and GLM-4.5 (glm4_moe: after `first_k_dense_replace` dense layers,
+each MLP is a mixture of routed experts plus shared experts; partial RoPE in halves, optional q/k norm).
+Module names follow transformers' classes of that layout exactly (model.layers.N.self_attn.q_proj,
+...mlp.gate_up_proj, ...mlp.experts.gate_up_proj, ...) so the weight map in model/hf.py is one explicit list
+per architecture and PEFT adapter keys line up.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import kernels
@@ -23,11 +27,12 @@ class Layout:
 
     attention_bias: bool = False         # bias on q/k/v (never on o)
     partial_rotary_factor: float = 1.0   # share of each head's dims RoPE rotates; the rest pass through
-    variable: tuple[str, ...] = ()       # which of the two above a model of this family may set otherwise
+    variable: tuple[str, ...] = ()       # which of attention_bias, partial_rotary_factor, qk_norm a model may set
     qk_norm: bool = False                # RMSNorm on each head's q and k before RoPE
     fused_gate_up: bool = False          # one mlp.gate_up_proj whose output is [gate | up]
     sandwich_norms: bool = False         # post_self_attn_layernorm / post_mlp_layernorm on each branch's output
     rope_interleaved: bool = False       # RoPE rotates pairs (x0, x1), (x2, x3)… instead of halves
+    moe: bool = False                    # layers ≥ first_k_dense_replace: routed + shared experts (MoE below)
 
 
 _GLM = dict(attention_bias=True, partial_rotary_factor=0.5, variable=("attention_bias", "partial_rotary_factor"),
@@ -38,6 +43,8 @@ LAYOUTS = {
     "qwen3": Layout(qk_norm=True),
     "glm": Layout(**_GLM),                               # GLM-4-9B-chat-hf (GlmForCausalLM)
     "glm4": Layout(**_GLM, sandwich_norms=True),         # GLM-4-0414 (Glm4ForCausalLM)
+    "glm4_moe": Layout(partial_rotary_factor=0.5, moe=True,   # GLM-4.5/4.6/4.7 (Glm4MoeForCausalLM)
+                       variable=("attention_bias", "partial_rotary_factor", "qk_norm")),
 }
 
 
@@ -48,6 +55,7 @@ class DecoderConfig:
     num_layers: int = 3
     num_heads: int = 6
     num_kv_heads: int = 2
+    head_dim: int = 0                            # 0: hidden_size / num_heads (GLM-4.5 sets its own)
     intermediate_size: int = 512
     max_seq_len: int = 512
     rope_theta: float = 10000.0
@@ -56,18 +64,38 @@ class DecoderConfig:
     arch: str = "llama"                          # a key of LAYOUTS
     attention_bias: bool | None = None           # None: the layout's default
     partial_rotary_factor: float | None = None   # None: the layout's default
+    qk_norm: bool | None = None                  # None: the layout's default
+    # Mixture of experts (layout.moe; transformers' Glm4MoeConfig names): from layer first_k_dense_replace on,
+    # each token goes to num_experts_per_tok of n_routed_experts experts (chosen in the best topk_group of
+    # n_group groups), plus n_shared_experts' worth of an always-on expert.
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0            # GLM-4.5's MTP layers: carried for export, not run (model/hf.py)
 
     def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         if self.arch not in LAYOUTS:
             raise ValueError(f"arch {self.arch!r} is not supported; supported: {', '.join(LAYOUTS)}")
         layout = LAYOUTS[self.arch]
-        for key in ("attention_bias", "partial_rotary_factor"):
+        for key in ("attention_bias", "partial_rotary_factor", "qk_norm"):
             if getattr(self, key) is None:
                 setattr(self, key, getattr(layout, key))
             elif key not in layout.variable and getattr(self, key) != getattr(layout, key):
                 raise ValueError(f"{key}={getattr(self, key)} is not part of the {self.arch} layout "
                                  f"(always {getattr(layout, key)}); supported: "
                                  f"{', '.join(a for a, l in LAYOUTS.items() if key in l.variable)}")
+        if self.layout.moe and self.first_k_dense_replace < self.num_layers and not (
+                self.n_routed_experts >= 2 and 1 <= self.num_experts_per_tok <= self.n_routed_experts
+                and self.moe_intermediate_size >= 1 and self.n_routed_experts % self.n_group == 0):
+            raise ValueError(f"arch {self.arch} needs n_routed_experts ≥ 2 (a multiple of n_group), num_experts_per_tok "
+                             "in 1..n_routed_experts and moe_intermediate_size ≥ 1 for its MoE layers")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} × head_dim {self.head_dim} must "
                              "give an even number of rotated dims")
@@ -76,9 +104,8 @@ class DecoderConfig:
     def layout(self) -> Layout:
         return LAYOUTS[self.arch]
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def is_moe_layer(self, i: int) -> bool:
+        return self.layout.moe and i >= self.first_k_dense_replace
 
     @property
     def rotary_dim(self) -> int:   # int(), as transformers' default RoPE init does
@@ -149,7 +176,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        if cfg.layout.qk_norm:
+        if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -168,14 +195,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
         if cfg.layout.fused_gate_up:    # GLM: one projection, output [gate | up]
-            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         else:
-            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-            self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+            self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+            self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
@@ -185,13 +213,75 @@ class MLP(nn.Module):
         return self.down_proj(kernels.swiglu(gate, up))
 
 
+class Router(nn.Module):
+    """GLM-4.5's router (DeepSeek-V3's): sigmoid scores per expert; the choice adds a load-balancing bias
+    (e_score_correction_bias, set by the model's trainers, frozen here) and keeps the experts of the best
+    `topk_group` of `n_group` groups (a group scores the sum of its two best); the weights are the chosen plain
+    scores, renormalised (norm_topk_prob) and scaled (routed_scaling_factor). In fp32, as transformers'."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        self.stats: dict | None = None           # the last training forward's routing (engine/router_stats.py)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        N, E = x.shape[0], self.weight.shape[0]                                   # x: (N, C)
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                # (N, E)
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(N, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)   # (N, n_group)
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]                 # (N, k)
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.training:
+            self.stats = {"experts": experts.detach(), "scores": scores}
+        return experts, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """The routed experts as stacked weights (transformers 5's in-memory layout): gate_up_proj (E, 2I, C)
+    with [gate | up] rows, down_proj (E, C, I). Each token's chosen experts run as grouped GEMMs
+    (kernels.moe_experts); LoRA on them is model/lora.py's LoRAExperts."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        E, C, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
+        self.down_proj = nn.Parameter(torch.empty(E, C, I))
+
+    def forward(self, x, experts, weights):
+        return kernels.moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+
+
+class MoE(nn.Module):
+    """Routed experts (each token's top-k, weighted) plus the shared expert every token goes through."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)                                                 # (N, C)
+        experts, weights = self.gate(flat)                                         # (N, k) each
+        return self.experts(flat, experts, weights).view(B, T, C) + self.shared_experts(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # (pre-MLP, despite its name)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         if cfg.layout.sandwich_norms:   # GLM-4-0414: each branch's output is normalised before the residual add
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -225,13 +315,19 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
         self.gradient_checkpointing = False     # recompute each block in backward: less memory, ~1/3 more compute
+        # Weights a checkpoint holds that this forward does not run (GLM-4.5's MTP layers, HF names): carried
+        # from import to export unchanged (model/hf.py). Plain tensors: no parameter, no state dict entry.
+        self.carried: dict[str, torch.Tensor] = {}
 
     @staticmethod
     def _init_weights(m: nn.Module):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, (nn.Linear, nn.Embedding, Router)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)                          # as transformers initialises q/k/v biases
+        if isinstance(m, Experts):
+            nn.init.normal_(m.gate_up_proj, mean=0.0, std=0.02)
+            nn.init.normal_(m.down_proj, mean=0.0, std=0.02)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                       doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:

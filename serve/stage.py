@@ -17,7 +17,7 @@ from configs.errors import UserError
 from configs.schema import Config, ServeConfig
 from serve.deploy import RECORD, GateFailed, promote
 
-__all__ = ["GateFailed", "api_key", "promote_export", "run", "serve"]   # GateFailed: the stage's gate error
+__all__ = ["GateFailed", "api_key", "promote_export", "run", "serve", "serving_notes"]   # GateFailed: the stage's gate error
 log = logging.getLogger("glm_lora.serve")
 
 
@@ -39,6 +39,20 @@ def api_key(sc: ServeConfig) -> tuple[str | None, str | None]:
             raise UserError(f"serve.api_key_secret: the Prefect Secret block {sc.api_key_secret!r} must hold a non-empty string")
         return key, f"Prefect Secret block {sc.api_key_secret}"
     return None, None
+
+
+def serving_notes(cfg: Config) -> list[str]:
+    """What the serve stage will do differently from the config, known before any training (the flow logs it
+    first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs."""
+    if not (cfg.serve.enabled and cfg.serve.adapters and cfg.base_model):
+        return []
+    from model.hf import read_hf_config
+    from serve.deploy import CPU_MOE_LORA
+    from serve.vllm_server import vllm_device
+    if read_hf_config(cfg.base_model).layout.moe and vllm_device() == "cpu":
+        return [f"serve.adapters: the SFT and DPO adapters will not be served as LoRAs: {CPU_MOE_LORA} "
+                f"(as `{cfg.run_name}`)"]
+    return []
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:

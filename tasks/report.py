@@ -89,6 +89,40 @@ def loss_curve(stage: str, stage_dir: Path, metrics: dict, out_png: Path) -> Pat
     return out_png
 
 
+def router_rows(router: dict) -> list[dict]:
+    """One row per MoE layer: its experts' token shares over the stage (1/E each when balanced)."""
+    return [{"layer": layer, "max_share": _fmt(max(share)), "min_share": _fmt(min(share)),
+             "idle_experts": sum(v == 0 for v in share), "balanced_share": _fmt(1 / len(share)),
+             "shares": " ".join(f"{v:.3f}" for v in share)}
+            for layer, share in zip(router["layers"], router["token_share"])]
+
+
+def router_heatmap(stage: str, router: dict, out_png: Path) -> Path:
+    """Each MoE layer's token share per expert over the stage, as a heat map (1/E is balanced)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = router["token_share"]
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * len(shares)), dpi=100)
+    image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0)
+    ax.set(xlabel="routed expert", ylabel="MoE layer", title=f"{stage}: share of routed tokens per expert "
+           f"(balanced: {1 / max(len(shares[0]), 1):.3g})")
+    ax.set_yticks(range(len(shares)), [layer.rsplit(".", 1)[-1] for layer in router["layers"]])
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def _image_artifact(png: Path, title: str, key: str, description: str) -> None:
+    data = base64.b64encode(png.read_bytes()).decode()
+    create_markdown_artifact(f"### {title}\n\n![{title}](data:image/png;base64,{data})\n\n`{png}`\n", key=key,
+                             description=description)
+
+
 def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: dict) -> None:
     """Every artifact of one built stage."""
     key = lambda what: artifact_key(run_name, f"{stage}-{what}")   # noqa: E731
@@ -106,6 +140,9 @@ def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: 
                               description=f"{stage}: rows dropped or cut, by reason")
     png = loss_curve(stage, stage_dir, metrics, Path(run_dir) / "reports" / f"{stage}-loss.png")
     if png is not None:
-        data = base64.b64encode(png.read_bytes()).decode()
-        create_markdown_artifact(f"### {stage}: loss\n\n![{stage} loss](data:image/png;base64,{data})\n\n`{png}`\n",
-                                 key=key("loss-curve"), description=f"{stage}: training and validation loss")
+        _image_artifact(png, f"{stage}: loss", key("loss-curve"), f"{stage}: training and validation loss")
+    if metrics.get("router", {}).get("layers"):
+        create_table_artifact(router_rows(metrics["router"]), key=key("router"),
+                              description=f"{stage}: routed tokens per expert, per MoE layer")
+        png = router_heatmap(stage, metrics["router"], Path(run_dir) / "reports" / f"{stage}-experts.png")
+        _image_artifact(png, f"{stage}: router", key("experts"), f"{stage}: share of routed tokens per expert")

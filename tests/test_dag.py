@@ -321,6 +321,68 @@ def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_lo
     assert float(diff) < 1e-4 and base_used == str((copy / "export" / "sft_merged").resolve())
 
 
+def _glm45_base(path: Path) -> tuple[Path, dict]:
+    """A tiny random GLM-4.5-style Glm4MoeForCausalLM (8 experts top-2 in 2 groups, a shared expert, one dense
+    layer, q/k norm, attention bias) with one MTP layer's weights and a GLM-4 chat template: nothing downloaded.
+    Returns the directory and the MTP tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    from data.tokenizer import load_tokenizer
+    from tests.chat_templates import build_tokenizer
+    from tests.model.test_moe import mtp_tensors
+    build_tokenizer(path, "glm4")
+    tok = load_tokenizer(path)
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, use_qk_norm=True, attention_bias=True,
+        routed_scaling_factor=2.5, num_nextn_predict_layers=1, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    model.save_pretrained(path)
+    mtp = mtp_tensors(model)
+    save_file({**load_file(path / "model.safetensors"), **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    return path, mtp
+
+
+def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_and_reruns_cached(dag, tmp_path):
+    """GLM's current models are mixtures of experts: a GLM-4.5-style base on the user's own files goes through
+    tokenizer (the base's) → import → LoRA SFT → DPO (attention, shared and routed experts) → export → serve.
+    vLLM's CPU build serves the merged model (its MoE LoRA needs Triton on a GPU) with our greedy tokens;
+    the MTP layer's weights leave unchanged; a second run comes from cache."""
+    from safetensors.torch import load_file
+    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "amber"]
+    sft = tmp_path / "chat.jsonl"
+    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Repeat {w} {i}."},
+                                                    {"role": "assistant", "content": f"{w} {i}"}]}) + "\n"
+                           for i in range(12) for w in words))
+    dpo = tmp_path / "prefs.jsonl"
+    dpo.write_text("".join(json.dumps({"prompt": f"Say {w} {i}.", "chosen": f"{w} {i}", "rejected": f"no {i}"}) + "\n"
+                           for i in range(5) for w in words))
+    base, mtp = _glm45_base(tmp_path / "glm45-base")
+    overrides = {**dag["overrides"], "run_name": "glm45-user", "base_model": str(base), "data.sft": str(sft),
+                 "data.dpo": str(dpo), "sft.max_steps": 8, "dpo.max_steps": 3, "sft.lora.modules_to_save": [],
+                 "serve.port": _free_port()}
+    result, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "serve")}
+    run_dir = Path(overrides["runs_dir"]) / "glm45-user"
+    assert result["matches_inprocess"] is True and result["token_ids"] == result["inprocess_token_ids"]
+    export = run_dir / "export"
+    assert json.loads((export / "merged" / "config.json").read_text())["architectures"] == ["Glm4MoeForCausalLM"]
+    merged = load_file(export / "merged" / "model.safetensors")
+    assert all(torch.equal(merged[k], v) for k, v in mtp.items())                 # MTP: carried unchanged
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in merged
+    adapter = load_file(export / "adapters" / "sft" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.1.mlp.experts.7.gate_proj.lora_B.weight" in adapter
+    served = json.loads((run_dir / "serve" / "answer.json").read_text())
+    assert list(served["models"]) == ["glm45-user"]                                 # merged only, on the CPU build
+
+    again, states = _run(overrides)
+    assert {s: states[s] for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")} == {
+        s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+    assert states["serve"] == "Completed" and again["matches_inprocess"] is True
+
+
 def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(dag, monkeypatch):
     """dist.nproc_per_node: 2 — every training stage runs under torchrun (gloo on the CPU); the
     artifacts are the single-process ones. A rank that raises fails the stage with its own message:

@@ -42,8 +42,10 @@ def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size
 
 def decoder(arch: str, seed: int, vocab: int = 50, max_seq_len: int = 48) -> Decoder:
     torch.manual_seed(seed)
+    moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+               first_k_dense_replace=1) if arch == "glm4_moe" else {}
     model = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                                  intermediate_size=96, max_seq_len=max_seq_len, arch=arch))
+                                  intermediate_size=96, max_seq_len=max_seq_len, arch=arch, **moe))
     with torch.no_grad():           # larger weights than the init: peaked logits, answers that vary by prompt
         for p in model.parameters():
             if p.ndim == 2:

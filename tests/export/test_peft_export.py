@@ -156,7 +156,8 @@ def test_vllm_split_adapter(exported):
     for k in others:
         torch.testing.assert_close(split_sd[k], fused_sd[k], atol=0, rtol=0)
     # what export records for the server (its manifest's `adapters`): the split form where it wrote one
-    assert served_form(root, "peft") == {"dir": "peft", "vllm_dir": "peft-vllm", "r": lora.r, "unservable": None}
+    assert served_form(root, "peft") == {"dir": "peft", "vllm_dir": "peft-vllm", "r": lora.r, "unservable": None,
+                                        "moe": False}
     shutil.rmtree(split_dir)
     assert served_form(root, "peft")["vllm_dir"] == "peft"
 

@@ -18,7 +18,7 @@ from model.hf import (HF_ARCHITECTURES, BaseModelError, check_tokenizer_fits, de
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
 VOCAB = 257
-ARCHS = list(HF_ARCHITECTURES)          # llama, qwen2, qwen3, glm, glm4
+ARCHS = [a for a in HF_ARCHITECTURES if a != "glm4_moe"]   # llama, qwen2, qwen3, glm, glm4 (MoE: test_moe.py)
 
 
 def hf_classes(arch):
@@ -225,7 +225,10 @@ def _write_cfg(tmp_path, arch="llama", **changes):
 @pytest.mark.parametrize("arch, changes, words", [
     ("llama", {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
      ["model_type 'mistral'", "MistralForCausalLM", "supported:", "Glm4ForCausalLM (model_type 'glm4')"]),
-    ("glm4", {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}, ["model_type 'glm4_moe'", "supported:"]),
+    ("llama", {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+     ["model_type 'qwen3_moe'", "supported:", "Glm4MoeForCausalLM (model_type 'glm4_moe')"]),
+    ("glm4", {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]},     # GLM-4.5 without its experts
+     ["n_routed_experts must be a positive integer for model_type 'glm4_moe'"]),
     ("llama", {"attention_bias": True},
      ["attention_bias=true", "model_type 'llama'", "supported: q/k/v bias in qwen2, glm, glm4"]),
     ("qwen3", {"attention_bias": True}, ["attention_bias=true", "model_type 'qwen3'", "supported:"]),
@@ -244,7 +247,7 @@ def _write_cfg(tmp_path, arch="llama", **changes):
     ("qwen2", {"partial_rotary_factor": 0.5}, ["partial_rotary_factor 0.5", "supported: partial rotary in glm, glm4"]),
     ("glm", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3}},
      ["partial_rotary_factor 0.3", "even number of rotated dims"]),
-    ("glm4", {"num_experts": 8}, ["num_experts=8", "mixture of experts", "supported: dense"]),
+    ("glm4", {"num_experts": 8}, ["num_experts=8", "mixture of experts", "supported: experts in glm4_moe"]),
     ("glm4", {"n_routed_experts": 64}, ["n_routed_experts=64", "mixture of experts"]),
     ("qwen3", {"num_local_experts": 4}, ["num_local_experts=4"]),
     ("llama", {"hidden_act": "gelu"}, ["hidden_act 'gelu'", "supported: 'silu'"]),

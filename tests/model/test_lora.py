@@ -268,17 +268,18 @@ def test_lora_linear_keeps_a_frozen_bias():
 
 
 @pytest.mark.parametrize("arch", list(LAYOUT_PROJECTIONS))
-def test_check_targets_knows_each_layout_without_building_it(arch):
-    """What preflight can check from a base model's config.json alone: the same set the built model has."""
-    from model.lora import LoRAConfigError, check_targets, layout_projections
+def test_check_lora_knows_each_layout_from_its_config(arch):
+    """What preflight can check from a base model's config.json alone (a model of it on the meta device): the
+    same refusals inject_lora makes, naming the stage's key."""
+    from model.lora import LoRAConfigError, check_lora
     m = tiny_arch(arch)
-    assert layout_projections(m.config) == sorted({n.rsplit(".", 1)[-1] for n in linear_names(m)})
-    check_targets(m.config, "all-linear")
-    check_targets(m.config, LAYOUT_PROJECTIONS[arch][:2])
+    check_lora(m.config, LoRAConfig(target_modules="all-linear"), "sft.lora")
+    check_lora(m.config, LoRAConfig(target_modules=LAYOUT_PROJECTIONS[arch][:2]), "sft.lora")
     wrong = "gate_proj" if arch.startswith("glm") else "gate_up_proj"
     with pytest.raises(LoRAConfigError, match=rf"sft.lora.target_modules \['{wrong}'\] not found in the model "
                                               rf"\({arch} layout\); supported: "):
-        check_targets(m.config, ["q_proj", wrong], "sft.lora.target_modules")
+        check_lora(m.config, LoRAConfig(target_modules=["q_proj", wrong]), "sft.lora")
+    assert not lora_modules(m)                                    # nothing built or wrapped on the real model
 
 
 @pytest.mark.parametrize("arch", ["glm4", "qwen2"])

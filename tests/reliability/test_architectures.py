@@ -1,5 +1,5 @@
 """Bad input about model architectures, through the real CLI: a base model whose config.json asks for
-what our decoder cannot reproduce exactly (MoE, sliding windows, rope scaling, a bias or partial rotary
+what our decoder cannot reproduce exactly (experts outside glm4_moe, sliding windows, rope scaling, a bias or partial rotary
 where the layout has none) and model settings of the from-scratch layouts. Each must exit 2 with one
 line naming config.json (or the config key) and what is supported, before anything is written.
 A GLM-4-0414 base model itself imports through the CLI."""
@@ -30,7 +30,8 @@ def base_with(workdir: Path, base: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"n_routed_experts": 64, "num_experts_per_tok": 8}, ["n_routed_experts=64", "mixture of experts", "supported: dense"]),
+    ({"n_routed_experts": 64, "num_experts_per_tok": 8}, ["n_routed_experts=64", "mixture of experts",
+                                                          "model_type 'glm4'", "supported: experts in glm4_moe"]),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      ["rope_parameters rope type 'yarn'", "supported: 'default'"]),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": True,
@@ -41,8 +42,10 @@ def base_with(workdir: Path, base: Path, **changes) -> Path:
      ["use_sliding_window=true", "supported: full attention"]),
     ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "partial_rotary_factor": 0.5},
      ["partial_rotary_factor 0.5", "model_type 'qwen2'", "supported: partial rotary in glm, glm4"]),
-    ({"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]},
-     ["model_type 'glm4_moe'", "Glm4MoeForCausalLM", "supported:", "Glm4ForCausalLM (model_type 'glm4')"]),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]},
+     ["model_type 'mixtral'", "MixtralForCausalLM", "supported:", "Glm4MoeForCausalLM (model_type 'glm4_moe')"]),
+    ({"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]},      # a GLM-4.5 config without its experts
+     ["n_routed_experts must be a positive integer for model_type 'glm4_moe'"]),
 ])
 def test_unsupported_base_model_layouts_name_the_key(workdir, glm4_base, changes, words):
     expect_user_error(workdir, base_with(workdir, glm4_base, **changes), "config.json", *words)

@@ -1,6 +1,7 @@
 """The config part of every stage's cache key is what it was at deefde7 (before the Config stopped being
 passed around as a dict): a run directory published by that version is reused for its config and data
-whenever the code packages are unchanged. A change here is a deliberate schema change, not a refactor."""
+whenever the code packages are unchanged. A change here is a deliberate schema change, not a refactor: the
+keys added since are listed in ADDED (a new key changes the config part of the key of the stages it belongs to)."""
 import json
 from pathlib import Path
 
@@ -11,6 +12,13 @@ from tasks.cache import key_parts
 from tasks.table import STAGES
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "key_parts_deefde7.json").read_text())
+ADDED = {"router_aux_loss"}        # TrainConfig (every training section), for MoE router health (issue 25)
+
+
+def _without_added(node):
+    if isinstance(node, dict):
+        return {k: _without_added(v) for k, v in node.items() if k not in ADDED}
+    return node
 
 
 @pytest.mark.parametrize("case", sorted(GOLDEN))
@@ -19,7 +27,7 @@ def test_config_sections_of_the_key_are_unchanged(case):
     preset, overrides = preset_overrides.split("{", 1)
     cfg = load_config(preset, json.loads("{" + overrides))
     parts = key_parts(stage, cfg, [], Path("/x"))
-    assert {"config": parts["config"], "user_files": parts["user_files"]} == GOLDEN[case]
+    assert {"config": _without_added(parts["config"]), "user_files": parts["user_files"]} == GOLDEN[case]
 
 
 def test_every_stage_is_covered():

@@ -1,0 +1,114 @@
+"""LoRA on GLM-4.5's mixture of experts: which projections a target reaches (attention, dense MLP, shared
+expert, routed experts per expert), the router frozen unless asked, the adapter off = the base model,
+merging = the adapted model, gradients only where they belong."""
+import copy
+
+import pytest
+import torch
+
+from configs.schema import LoRAConfig
+from model import Decoder, DecoderConfig, inject_lora, lora_disabled, merge_lora
+from model.lora import LoRAConfigError, LoRAExperts, lora_modules, lora_state_dict
+
+torch.set_num_threads(1)
+VOCAB = 61
+
+
+def moe_model(seed=0) -> Decoder:
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=24,
+                        intermediate_size=40, max_seq_len=32, arch="glm4_moe", attention_bias=True, qk_norm=True,
+                        n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.0)
+    m = Decoder(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return m
+
+
+def ids(B=2, T=9, seed=1):
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def randomise_b(m, std=0.2):
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, std)
+
+
+def test_all_linear_reaches_attention_dense_shared_and_every_routed_expert():
+    m = moe_model()
+    base = copy.deepcopy(m)
+    wrapped = inject_lora(m, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
+    assert "model.layers.0.mlp.gate_proj" in wrapped                        # the dense layer
+    assert "model.layers.1.mlp.shared_experts.down_proj" in wrapped
+    assert {"model.layers.2.mlp.experts.gate_proj", "model.layers.2.mlp.experts.up_proj",
+            "model.layers.2.mlp.experts.down_proj"} <= set(wrapped)
+    experts = m.model.layers[1].mlp.experts
+    assert isinstance(experts, LoRAExperts)
+    assert experts.gate_proj.lora_A.weight.shape == (6, 4, 32) and experts.down_proj.lora_B.weight.shape == (6, 32, 4)
+    sd = lora_state_dict(m)
+    assert "model.layers.1.mlp.experts.up_proj.lora_B.weight" in sd and not any("mlp.gate." in k for k in sd)
+    assert not m.model.layers[1].mlp.gate.weight.requires_grad              # the router stays frozen
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), base(x), atol=0, rtol=0)           # B = 0: the base model
+        randomise_b(m)
+        adapted = m(x)
+        assert (adapted - base(x)).abs().max() > 1e-2
+        with lora_disabled(m):
+            torch.testing.assert_close(m(x), base(x), atol=1e-6, rtol=1e-6)
+        merge_lora(m)
+        torch.testing.assert_close(m(x), adapted, atol=1e-5, rtol=1e-5)
+    assert set(m.state_dict()) == set(base.state_dict()) and not lora_modules(m)
+
+
+def test_gradients_reach_each_experts_lora_and_never_the_frozen_weights():
+    m = moe_model(seed=2)
+    inject_lora(m, LoRAConfig(target_modules=["experts.gate_proj", "experts.up_proj", "experts.down_proj", "q_proj"],
+                              r=3, alpha=6))
+    randomise_b(m)
+    m.train()
+    m(ids(B=4, T=12)).pow(2).mean().backward()
+    grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    assert all("lora_" in n for n in grads)
+    # every expert that saw a token got a gradient on its own slice of the stack
+    a = m.model.layers[1].mlp.experts.down_proj.lora_B.weight.grad                # (E, C, r)
+    assert (a.flatten(1).abs().sum(1) > 0).sum() >= 2
+
+
+def test_targets_choose_shared_or_routed_experts():
+    m = moe_model()
+    wrapped = inject_lora(m, LoRAConfig(target_modules=["shared_experts.gate_proj"], r=2, alpha=2))
+    assert wrapped == ["model.layers.1.mlp.shared_experts.gate_proj", "model.layers.2.mlp.shared_experts.gate_proj"]
+    m = moe_model()
+    wrapped = inject_lora(m, LoRAConfig(target_modules=["experts.gate_proj", "experts.up_proj"], r=2, alpha=2))
+    assert all(".mlp.experts." in w for w in wrapped) and len(wrapped) == 4
+
+
+@pytest.mark.parametrize("lora, message", [
+    (LoRAConfig(target_modules=["experts.gate_proj"]), "name gate_proj and up_proj together"),
+    (LoRAConfig(target_modules=["gate_up_proj"]), "lora.target_modules ['gate_up_proj'] not found in the model "
+                                                  "(glm4_moe layout); supported: "),
+    (LoRAConfig(target_modules="all-linear", dropout=0.1), "dropout 0.1 on the routed experts is not supported"),
+    (LoRAConfig(target_modules=["experts.down_proj"], quantization="nf4"), "nf4 on the routed experts is not supported"),
+])
+def test_moe_targets_refused_naming_what_exists(lora, message):
+    m = moe_model()
+    with pytest.raises(LoRAConfigError) as e:
+        inject_lora(m, lora)
+    assert message in str(e.value)
+    if "not found" in message:
+        assert "'experts.gate_proj'" in str(e.value) and "'shared_experts.down_proj'" in str(e.value)
+    assert not lora_modules(m)
+
+
+def test_the_router_trains_only_when_asked():
+    m = moe_model()
+    inject_lora(m, LoRAConfig(target_modules=["q_proj"], r=2, alpha=2, modules_to_save=["gate"]))
+    assert m.model.layers[1].mlp.gate.weight.requires_grad
+    assert "model.layers.2.mlp.gate.weight" in lora_state_dict(m, ["gate"])
+    assert not m.model.layers[1].mlp.gate.e_score_correction_bias.requires_grad

@@ -92,6 +92,7 @@ def hf_peft(cfg: DecoderConfig, device, experts_impl: str):
     with torch.device(device):
         base = Glm4MoeForCausalLM(hf_config(cfg, experts_impl, attn)).to(torch.bfloat16 if device.type == "cuda"
                                                                           else torch.float32).train()
+    base.config._experts_implementation = experts_impl       # read at each forward (transformers.integrations.moe)
     lora = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["gate_proj.weight", "up_proj.weight", "down_proj.weight",
@@ -116,7 +117,8 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device) -> dic
     with kernels.using(backend or "auto", "flex" if device.type == "cuda" else "sdpa"):
         res = timed_steps(step, batches, device, args.steps, max_warmup=args.max_warmup,
                           max_measure_s=args.max_measure_s)
-    return {**res, "trainable_params": trainable}
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    return {**res, "trainable_params": trainable, **({"experts_implementation": impl} if impl else {})}
 
 
 def main() -> None:

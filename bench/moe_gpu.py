@@ -18,11 +18,12 @@ Providers:
 Liger has no Glm4Moe patches (liger-kernel 0.8.5): none applied. Fused AdamW lr 2e-4 everywhere.
 Timing: bench.workloads.WARMUP_RULE, then p20/p50/p80 step times, real tokens/s, peak memory.
 
-    python -m bench.moe_gpu [--steps 8] [--providers ours,hf_peft] [--smoke]
+    python -m bench.moe_gpu [--steps 8] [--providers ours,hf_peft] [--profile-dir DIR] [--smoke]
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import torch
 
 import kernels
@@ -117,6 +118,9 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device) -> dic
     with kernels.using(backend or "auto", "flex" if device.type == "cuda" else "sdpa"):
         res = timed_steps(step, batches, device, args.steps, max_warmup=args.max_warmup,
                           max_measure_s=args.max_measure_s)
+        if args.profile_dir and name in ("ours", "hf_peft"):
+            from bench.peer_gpu import profile
+            res["profile"] = profile(step, batches[:3], device, Path(args.profile_dir) / f"profile_moe_{name}.txt")
     impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
     return {**res, "trainable_params": trainable, **({"experts_implementation": impl} if impl else {})}
 
@@ -126,6 +130,7 @@ def main() -> None:
     ap.add_argument("--shape", default="air8", choices=[s for s in SHAPES if s != "smoke"])
     ap.add_argument("--max-warmup", type=int, default=6)
     ap.add_argument("--max-measure-s", type=float, default=60.0)
+    ap.add_argument("--profile-dir", default=None, help="torch.profiler over 3 more steps of ours and hf_peft, here")
     args = ap.parse_args()
     smoke = args.smoke
     if smoke:

@@ -136,7 +136,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
     A Python loop over the groups, one F.linear each (the per-expert loop a MoE layer runs without a grouped
     GEMM); differentiable by autograd, dw only when w requires grad. Reads the offsets on the host. Its
-    backward is slow by construction: each group's slice and weight index adds a full-size gradient."""
+    backward is slow by construction: each group's slice and weight index adds a full-size gradient. Under
+    autocast both operands go to the autocast dtype first, as F.linear's would (and the Triton op's do)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     check_grouped(x, w, offsets)
     ends = offsets.tolist()
     parts = [F.linear(x[s:e], w[g]) for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)) if e > s]

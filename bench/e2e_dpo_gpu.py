@@ -7,7 +7,7 @@ projections; fp32 master weights, bf16 autocast, fused AdamW. Providers, same pa
                          sums from the full logits.float().log_softmax, a separate reference forward under
                          `model.disable_adapter()` + no_grad, sigmoid loss. An OOM at 8 pairs is recorded
                          and the provider rerun with 4 pairs.
-  ours_packed_reference  engine.losses.DPOLoss(beta=0.1, nll_weight=0) on packed 8 × 2048 rows, pairs
+  ours_packed_reference  engine.losses.PreferenceLoss(beta=0.1, nll_weight=0) on packed 8 × 2048 rows, pairs
                          kept in one row (group_size 2), kernels "reference"
   ours_packed_fused      the same, kernels "auto" (fused Triton ops)
 Real tokens/s counts the non-padding tokens of chosen and rejected sequences (prompts counted twice).
@@ -25,7 +25,7 @@ from bench.workloads import (precision_note, result_name, train_step, SIZES, TAR
                              our_model, parser, ratios, selected, setup, table, timed)
 from data.packing import IGNORE, PackedBatches, padded_batches
 from data.sampler import EpochSampler
-from engine.losses import DPOLoss
+from engine.losses import PreferenceLoss
 from engine.optim import build_optimizer
 from model import inject_lora
 from configs.schema import LoRAConfig
@@ -67,7 +67,7 @@ def run(name: str, size: str, src: RandomDPO, args, device: torch.device, vocab:
         stream = PackedBatches(src, order, rows=8, seq_len=seq_len, group_size=2)
         model = our_model(cfg, device)
         inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
-        dpo = DPOLoss(beta=BETA, nll_weight=0.0)
+        dpo = PreferenceLoss(beta=BETA, nll_weight=0.0)
 
         def loss_of(b):
             return dpo(model, b)[0]

@@ -8,7 +8,7 @@ bf16 autocast, fused AdamW):
                           linear CE), the same packed rows padding-free (position_ids, flex_attention)
        hf_peft_padded     anchor (b): HF + PEFT (SDPA), padded batches of N samples, N chosen so that
                           N × mean sample length ≈ the packed rows' real tokens per step; on OOM N/2, N/4
-  DPO  ours_flex, ours_sdpa   engine.losses.DPOLoss on packed rows (pairs kept in one row)
+  DPO  ours_flex, ours_sdpa   engine.losses.PreferenceLoss (DPO) on packed rows (pairs kept in one row)
        hf_liger_packed    anchor (a): the same packed rows through HF + PEFT + Liger, LigerFusedLinearDPOLoss
                           on the answer positions, reference = adapter off
        hf_peft_naive      anchor (b): bench.e2e_dpo_gpu's naive DPO, N pairs per step (N = the packed
@@ -43,7 +43,7 @@ from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, 
                              setup, timed_steps, train_step)
 from data.packing import PackedBatches, padded_batches
 from data.sampler import EpochSampler
-from engine.losses import DPOLoss, causal_lm_loss
+from engine.losses import PreferenceLoss, causal_lm_loss
 from engine.optim import build_optimizer
 from model import inject_lora
 from configs.schema import LoRAConfig
@@ -216,7 +216,7 @@ def dpo(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
             return {**res, "pairs_per_step": pairs, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device)
     opt = build_optimizer(model, 5e-6, 0.0, fused=device.type == "cuda")
-    loss = DPOLoss(beta=BETA, nll_weight=0.0)
+    loss = PreferenceLoss(beta=BETA, nll_weight=0.0)
     step = train_step(lambda b: loss(model, b)[0], opt, device)
     with kernels.using("auto", "flex" if name == "ours_flex" else "sdpa"):
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)

@@ -217,9 +217,18 @@ class SFTConfig(TrainConfig):
 
 
 class DPOConfig(TrainConfig):
+    """The preference stage: a fresh LoRA on the SFT model, trained with `loss` (engine/losses.py)."""
+
     lora: LoRAConfig = LoRAConfig()
-    beta: float = Field(0.1, gt=0)
-    nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation)
+    # dpo: DPO's sigmoid loss; ipo: IPO's squared loss; simpo, orpo: reference-free (no reference forward: the
+    # stage runs one forward per step instead of two). (KTO's loss is in engine/losses.py; its unpaired data path
+    # is not built yet.)
+    loss: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+    beta: float = Field(0.1, gt=0)        # β of every loss but ORPO (SimPO's paper uses 2–2.5, KTO's 0.1)
+    nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation).
+    #                                        ORPO has its own (its L_SFT, weight 1) and ignores this
+    simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin γ
+    orpo_lambda: float = Field(0.1, gt=0)  # ORPO's λ: weight of the odds-ratio term beside the chosen NLL
 
     @model_validator(mode="after")
     def _reference_stays_frozen(self):

@@ -1,4 +1,5 @@
-"""DPO: a fresh LoRA on the SFT-merged weights; the reference is the same weights with the adapter off."""
+"""The preference stage (`dpo`): a fresh LoRA on the SFT-merged weights trained with `dpo.loss` — DPO, IPO, SimPO,
+ORPO or KTO (engine/losses.py); where the loss has a reference, it is the same weights with the adapter off."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +7,10 @@ from pathlib import Path
 from configs.schema import Config
 from engine.adapter_stage import train_adapter
 from engine.heldout import eval_preferences
-from engine.losses import DPOLoss
+from engine.losses import PreferenceLoss
 from model.adapters import load_policy
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
-    tc = cfg.dpo
     return train_adapter(cfg, inputs, out_dir, stage="dpo", load_model=lambda i: load_policy(i["base"], i["sft"]),
-                         loss=DPOLoss(tc.beta, tc.nll_weight), evaluate=eval_preferences)
+                         loss=PreferenceLoss.of(cfg.dpo), evaluate=eval_preferences)

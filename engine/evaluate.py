@@ -316,7 +316,7 @@ def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *
     """DPO's held-out view: does the policy rank chosen above rejected, relative to the reference?
 
     Implicit reward r = beta * (log pi(answer) - log pi_ref(answer)), log-probs summed over the
-    answer tokens as in DPOLoss; pi_ref is `ref_model` if given, else this model with its LoRA
+    answer tokens as in PreferenceLoss; pi_ref is `ref_model` if given, else this model with its LoRA
     adapter disabled. implicit_reward_accuracy = share of pairs with r_chosen > r_rejected
     (strictly: an untrained adapter scores 0), mean_margin = mean(r_chosen - r_rejected).
     logprob_accuracy = share with log pi(chosen) > log pi(rejected), meaningful for any model.

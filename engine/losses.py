@@ -50,30 +50,102 @@ def group_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return sums[batch["group_docs"]], counts[batch["group_docs"]]
 
 
-class DPOLoss:
-    """Direct Preference Optimisation (Rafailov et al. 2023) + optional chosen-NLL term.
+def _log1m_exp(a: torch.Tensor) -> torch.Tensor:
+    """log(1 − eᵃ) for a < 0, stable near 0 (ORPO's log-odds)."""
+    return torch.log(-torch.expm1(a.clamp(max=-1e-6)))
 
-    Batches hold (chosen, rejected) document pairs (`group_docs`). The reference policy is the
-    same weights with the LoRA adapter disabled — no second model copy.
+
+# Paired preference losses, each its paper's formula, per pair: pc / pr the policy's summed log-probs of the chosen /
+# rejected answer, rc / rr the reference's (None for reference-free losses), nc / nr their answer token counts.
+# Each returns (loss per pair, margin per pair: > 0 when the pair is ranked right).
+def dpo_loss(pc, pr, rc, rr, nc, nr, *, beta: float, **_):
+    """DPO (Rafailov et al. 2023): −log σ(β · ((πc − refc) − (πr − refr)))."""
+    margin = beta * ((pc - rc) - (pr - rr))
+    return -F.logsigmoid(margin), margin
+
+
+def ipo_loss(pc, pr, rc, rr, nc, nr, *, beta: float, **_):
+    """IPO (Azar et al. 2023): (h − 1/(2β))², h the log-ratio difference of length-averaged log-probs (as TRL)."""
+    h = (pc - rc) / nc - (pr - rr) / nr
+    return (h - 1 / (2 * beta)) ** 2, h
+
+
+def simpo_loss(pc, pr, rc, rr, nc, nr, *, beta: float, gamma: float, **_):
+    """SimPO (Meng et al. 2024), reference-free: −log σ(β/|yc| · πc − β/|yr| · πr − γ)."""
+    margin = beta * (pc / nc - pr / nr) - gamma
+    return -F.logsigmoid(margin), margin
+
+
+def orpo_loss(pc, pr, rc, rr, nc, nr, *, orpo_lambda: float, **_):
+    """ORPO (Hong et al. 2024), reference-free: λ · −log σ(log odds(yc) − log odds(yr)), odds(y) = p/(1 − p) with p
+    the length-averaged likelihood; the chosen answer's NLL is added by the caller (ORPO's L_SFT)."""
+    ac, ar = pc / nc, pr / nr
+    log_odds = (ac - ar) - (_log1m_exp(ac) - _log1m_exp(ar))
+    return -orpo_lambda * F.logsigmoid(log_odds), log_odds
+
+
+PAIRED = {"dpo": dpo_loss, "ipo": ipo_loss, "simpo": simpo_loss, "orpo": orpo_loss}
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def kto_loss(policy, ref, kl_policy, kl_ref, desirable, *, beta: float, desirable_weight: float,
+             undesirable_weight: float):
+    """KTO (Ethayarajh et al. 2024) on unpaired answers: r = log π(y|x) − log π_ref(y|x); z₀ = max(0, mean of the same
+    log-ratio on mismatched (x, y') pairs), detached; desirable: λ_D · (1 − σ(β(r − z₀))), undesirable:
+    λ_U · (1 − σ(β(z₀ − r))). Returns (loss per answer, r, z₀)."""
+    r = policy - ref
+    z0 = (kl_policy - kl_ref).mean().clamp(min=0).detach()
+    loss = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+                       undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
+    return loss, r, z0
+
+
+class PreferenceLoss:
+    """The preference stage's loss (`dpo.loss`): DPO, IPO, SimPO or ORPO on (chosen, rejected) document pairs
+    (`group_docs`), or KTO on (answer, mismatched answer) pairs with a desirable/undesirable label per pair.
+
+    The reference policy is the same weights with the LoRA adapter disabled — no second model copy — and SimPO
+    and ORPO skip its forward altogether. `nll_weight` adds the chosen answer's NLL (ORPO has its own, weight 1).
     """
 
-    def __init__(self, beta: float, nll_weight: float = 0.0):
-        self.beta, self.nll_weight = beta, nll_weight
+    def __init__(self, beta: float = 0.1, nll_weight: float = 0.0, kind: str = "dpo", *, gamma: float = 0.5,
+                 orpo_lambda: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        self.kind, self.beta, self.nll_weight = kind, beta, nll_weight
+        self.params = dict(beta=beta, gamma=gamma, orpo_lambda=orpo_lambda)
+        self.kto = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+
+    @classmethod
+    def of(cls, tc) -> "PreferenceLoss":
+        """From a DPOConfig section."""
+        return cls(tc.beta, tc.nll_weight, tc.loss, gamma=tc.simpo_gamma, orpo_lambda=tc.orpo_lambda)
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        policy_logp, counts = group_logprobs(model, batch)                 # (pairs, 2)
-        with torch.no_grad(), lora_disabled(model):
-            ref_logp, _ = group_logprobs(model, batch)
-        rewards = self.beta * (policy_logp - ref_logp)
-        chosen_reward, rejected_reward = rewards[:, 0], rewards[:, 1]
-        margin = chosen_reward - rejected_reward
-        loss = -F.logsigmoid(margin).mean()
-        if self.nll_weight:
-            loss = loss + self.nll_weight * (-policy_logp[:, 0].sum() / counts[:, 0].sum().clamp(min=1))
-        return loss, {
-            "loss": loss.detach(),
-            "reward_margin": margin.detach().mean(),
-            "preference_accuracy": (margin > 0).float().mean().detach(),
-            "chosen_reward": chosen_reward.detach().mean(),
-            "rejected_reward": rejected_reward.detach().mean(),
-        }
+        policy, counts = group_logprobs(model, batch)                      # (pairs, 2) each
+        ref = None
+        if self.kind not in REFERENCE_FREE:
+            with torch.no_grad(), lora_disabled(model):
+                ref, _ = group_logprobs(model, batch)
+        if self.kind == "kto":
+            return self._kto(policy, ref, batch["desirable"])
+        n = counts.clamp(min=1).to(policy.dtype)
+        per_pair, margin = PAIRED[self.kind](policy[:, 0], policy[:, 1], *(ref.unbind(1) if ref is not None
+                                                                           else (None, None)),
+                                             n[:, 0], n[:, 1], **self.params)
+        loss = per_pair.mean()
+        nll_weight = 1.0 if self.kind == "orpo" else self.nll_weight
+        if nll_weight:
+            loss = loss + nll_weight * (-policy[:, 0].sum() / counts[:, 0].sum().clamp(min=1))
+        rewards = self.beta * ((policy - ref) if ref is not None else policy / n)
+        return loss, {"loss": loss.detach(), "reward_margin": margin.detach().mean(),
+                      "preference_accuracy": (margin > 0).float().mean().detach(),
+                      "chosen_reward": rewards[:, 0].detach().mean(), "rejected_reward": rewards[:, 1].detach().mean()}
+
+    def _kto(self, policy, ref, desirable) -> tuple[torch.Tensor, dict]:
+        per, r, z0 = kto_loss(policy[:, 0], ref[:, 0], policy[:, 1].detach(), ref[:, 1], desirable, **self.kto)
+        loss = per.mean()
+        good, bad = desirable.float(), (~desirable).float()
+        return loss, {"loss": loss.detach(), "kl": z0,
+                      "desirable_reward": (self.beta * r * good).sum().detach() / good.sum().clamp(min=1),
+                      "undesirable_reward": (self.beta * r * bad).sum().detach() / bad.sum().clamp(min=1),
+                      "preference_accuracy": ((r > z0) == desirable).float().mean().detach()}
+

@@ -7,7 +7,8 @@ scaled by its routing weight and summed back into its token. LoRA on the experts
 rides in the same grouped GEMMs (`kernels.grouped_lora_mm`).
 
 The result equals transformers' Glm4MoeExperts loop (one matmul per expert hit) up to the order of the
-per-token sums: fp32 parity is tested to 1e-5 (tests/model/test_moe.py).
+per-token sums: fp32 parity is tested to 1e-5 (tests/model/test_moe.py). Under bf16 autocast the routing weights
+are rounded to bf16 for the final weighted sum (transformers multiplies in fp32 and rounds the product).
 """
 from __future__ import annotations
 
@@ -46,12 +47,19 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
                 down_lora: ExpertLoRA | None = None) -> torch.Tensor:
     """Σ over each token's chosen experts e of weight · down_e(silu(gate_e x) · up_e x).
 
-    x (N, C); experts, weights (N, k); gate_up (E, 2I, C) with [gate | up] rows; down (E, C, I)."""
+    x (N, C); experts, weights (N, k); gate_up (E, 2I, C) with [gate | up] rows; down (E, C, I). Under autocast x
+    is cast before it is gathered (the GEMMs take that dtype anyway: half the bytes moved) and the result is in it.
+    """
     import kernels
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    N, k = experts.shape
     order, token, offsets = sort_by_expert(experts, gate_up.shape[0])
     rows = x[token]                                                      # (N·k, C), sorted by expert
     h = _project(rows, gate_up, offsets, gate_up_lora)                   # (N·k, 2I)
     inter = down.shape[-1]
     y = _project(kernels.swiglu(h[:, :inter], h[:, inter:]), down, offsets, down_lora)    # (N·k, C)
-    y = y * weights.flatten()[order, None]                               # fp32 routing weights, as transformers
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))       # (N, C)
+    # Back to token order (row i of y is flat (token, slot) order[i]), then each token's k rows weighted and summed
+    # by one batched matmul, accumulated in fp32: no (N·k, C) fp32 temporary, no scatter-add.
+    y = torch.index_copy(torch.empty_like(y), 0, order, y).view(N, k, -1)                # (N, k, C)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)                    # (N, C)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import engine.losses as losses
 from configs.errors import UserError
 from configs.schema import TrainConfig
-from engine.losses import DPOLoss, causal_lm_loss, group_logprobs
+from engine.losses import PreferenceLoss, causal_lm_loss, group_logprobs
 from engine.optim import build_optimizer, lr_at
 from engine.trainer import NonFiniteLossError, Runtime, train, train_step
 from model import Decoder, DecoderConfig, inject_lora
@@ -164,7 +164,7 @@ def test_dpo_at_init_margin_zero_loss_log2(nll_weight):
     m = tiny()
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj", "up_proj"], r=4, alpha=8))     # B = 0: policy == reference
     b = pair_batch()
-    loss, metrics = DPOLoss(beta=0.1, nll_weight=nll_weight)(m, b)
+    loss, metrics = PreferenceLoss(beta=0.1, nll_weight=nll_weight)(m, b)
     assert metrics["reward_margin"].item() == pytest.approx(0.0, abs=1e-6)
     assert metrics["preference_accuracy"].item() == 0.0
     chosen = {k: (v[:2] if v.ndim else v) for k, v in b.items() if k != "group_docs"}
@@ -190,7 +190,7 @@ def test_dpo_matches_manual_formula_on_hand_built_logprobs(monkeypatch):
     monkeypatch.setattr(losses, "group_logprobs", fake)
 
     beta, w = 0.5, 0.25
-    loss, metrics = DPOLoss(beta, w)(m, pair_batch())
+    loss, metrics = PreferenceLoss(beta, w)(m, pair_batch())
     assert calls == [True, False]                    # policy with adapter, reference without
     assert all(mod.enabled for mod in lora_modules(m).values())
     # margins: pair 0: 0.5*((-3+3.5) - (-4+3)) = 0.75; pair 1: 0.5*((-5+4) - (-2+2.5)) = -0.75
@@ -218,7 +218,7 @@ def test_dpo_reference_is_the_base_weights_of_the_same_model():
             mod.lora_B.weight.copy_(torch.randn(mod.lora_B.weight.shape, generator=g) * 0.3)
     b = pair_batch()
     beta = 0.3
-    loss, metrics = DPOLoss(beta)(m, b)
+    loss, metrics = PreferenceLoss(beta)(m, b)
     pol, _ = group_logprobs(m, b)
     with torch.no_grad():
         ref, _ = group_logprobs(base, b)
@@ -280,7 +280,7 @@ def test_train_lora_dpo_learns_preference_and_keeps_base():
     base_sd = {k: v.clone() for k, v in m.state_dict().items()}
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], r=4, alpha=8))
     logs = []
-    train(m, DPOLoss(beta=0.5), lambda _: itertools.repeat(pair_batch()), cfg(max_steps=15, lr=2e-2), CPU,
+    train(m, PreferenceLoss(beta=0.5), lambda _: itertools.repeat(pair_batch()), cfg(max_steps=15, lr=2e-2), CPU,
           on_log=logs.append)
     assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert logs[-1]["loss"] < 0.5 * math.log(2)

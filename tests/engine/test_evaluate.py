@@ -27,7 +27,7 @@ from engine.evaluate import (
     task_metrics,
 )
 from engine import heldout
-from engine.losses import DPOLoss
+from engine.losses import PreferenceLoss
 from model import Decoder, DecoderConfig, inject_lora
 from tests.oracle import Oracle
 from configs.schema import LoRAConfig
@@ -206,7 +206,7 @@ def test_preference_metrics_trained_adapter_prefers_chosen(tok, pairs):
     src = _Examples(list(dpo_examples(pairs, tok, seq_len=128, overlong="truncate", report=CleanReport())))
     batch = next(padded_batches(src, iter(range(len(pairs))), batch_size=len(pairs), group_size=2))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    loss_fn = DPOLoss(beta=0.1)
+    loss_fn = PreferenceLoss(beta=0.1)
     for _ in range(30):
         loss, _ = loss_fn(model, batch)
         opt.zero_grad()

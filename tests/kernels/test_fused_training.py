@@ -10,7 +10,7 @@ import torch
 import kernels
 from configs.schema import TrainConfig
 from data.packing import place
-from engine.losses import DPOLoss, causal_lm_loss
+from engine.losses import PreferenceLoss, causal_lm_loss
 from engine.trainer import Runtime, train
 from model import Decoder, DecoderConfig, inject_lora
 from configs.schema import LoRAConfig
@@ -51,7 +51,7 @@ def run(backend: str, stage: str) -> list[float]:
         if stage == "sft":
             loss_fn, batches = causal_lm_loss, [packed_batch(s, 4, answer_only=True) for s in range(1)]
         else:
-            loss_fn, batches = DPOLoss(beta=0.5, nll_weight=1.0), [packed_batch(s, 4, True, 2) for s in range(1)]
+            loss_fn, batches = PreferenceLoss(beta=0.5, nll_weight=1.0), [packed_batch(s, 4, True, 2) for s in range(1)]
     logs = []
     cfg = TrainConfig(max_steps=2, batch_size=4, seq_len=64, lr=3e-2, warmup_steps=0, log_every=1)
     with kernels.using(backend):
@@ -78,7 +78,7 @@ def test_triton_backend_really_dispatches_to_triton(monkeypatch):
         calls.clear()
         with kernels.using(backend), torch.no_grad():
             causal_lm_loss(m, packed_batch(0, 2, answer_only=True))
-            DPOLoss(beta=0.1)(m, packed_batch(0, 4, True, 2))
+            PreferenceLoss(beta=0.1)(m, packed_batch(0, 4, True, 2))
         assert set(calls) == expected
 
 

@@ -9,6 +9,7 @@ bf16 autocast, fused AdamW):
        hf_peft_padded     anchor (b): HF + PEFT (SDPA), padded batches of N samples, N chosen so that
                           N × mean sample length ≈ the packed rows' real tokens per step; on OOM N/2, N/4
   DPO  ours_flex, ours_sdpa   engine.losses.PreferenceLoss (DPO) on packed rows (pairs kept in one row)
+       ours_flex_simpo / _orpo  the same rows with dpo.loss simpo / orpo: no reference forward
        hf_liger_packed    anchor (a): the same packed rows through HF + PEFT + Liger, LigerFusedLinearDPOLoss
                           on the answer positions, reference = adapter off
        hf_peft_naive      anchor (b): bench.e2e_dpo_gpu's naive DPO, N pairs per step (N = the packed
@@ -49,7 +50,7 @@ from model import inject_lora
 from configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "hf_liger_packed", "hf_peft_padded")
-DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa")
+DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_simpo", "ours_flex_orpo")
 T0 = time.perf_counter()
 
 
@@ -216,9 +217,10 @@ def dpo(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
             return {**res, "pairs_per_step": pairs, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device)
     opt = build_optimizer(model, 5e-6, 0.0, fused=device.type == "cuda")
-    loss = PreferenceLoss(beta=BETA, nll_weight=0.0)
+    kind = name.rsplit("_", 1)[1] if name.endswith(("_simpo", "_orpo")) else "dpo"   # reference-free: one forward
+    loss = PreferenceLoss(beta=BETA, nll_weight=0.0, kind=kind)
     step = train_step(lambda b: loss(model, b)[0], opt, device)
-    with kernels.using("auto", "flex" if name == "ours_flex" else "sdpa"):
+    with kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
         res["pairs_per_step"] = pairs
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=True) / 1e12

@@ -383,11 +383,13 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
     assert states["serve"] == "Completed" and again["matches_inprocess"] is True
 
 
-@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "orpo"])
-def test_each_preference_loss_raises_held_out_preference_accuracy(dag, tmp_path, loss):
-    """dpo.loss on the DAG's own SFT model (pretrain 60 + SFT 120 steps), 30 steps each: on the held-out pairs
-    the implicit reward β·(log π − log π_sft) ranks chosen above rejected for most pairs (0.5 = chance; it is 0
-    at the start, where the adapter is the identity), and the likelihood ranking does not get worse."""
+@pytest.mark.parametrize("loss, settings", [("dpo", {}), ("ipo", {}), ("simpo", {"dpo.beta": 2.0, "dpo.nll_weight": 0.0}),
+                                           ("orpo", {"dpo.orpo_lambda": 0.5})])
+def test_each_preference_loss_raises_held_out_preference_accuracy(dag, tmp_path, loss, settings):
+    """dpo.loss on the DAG's own SFT model (pretrain 60 + SFT 120 steps), 100 steps each: on 200 held-out pairs
+    the implicit reward β·(log π − log π_sft) ranks chosen above rejected for clearly more than half of the pairs
+    (it is 0 at the start, where the adapter is the identity; 0.58 is 2.3 standard errors above chance — measured
+    0.625–0.645 on this model), and the likelihood ranking gets no worse."""
     from configs import load_config
     from engine import dpo
     from engine.evaluate import preference_metrics
@@ -397,19 +399,19 @@ def test_each_preference_loss_raises_held_out_preference_accuracy(dag, tmp_path,
     from model.adapters import load_policy
 
     run_dir = dag["run_dir"]
-    beta = {"simpo": 2.0}.get(loss, 0.3)
-    cfg = load_config("tiny", {**dag["overrides"], "dpo.loss": loss, "dpo.beta": beta, "dpo.max_steps": 30,
-                               "dpo.eval_every": 0, "eval.enabled": False, "dpo.lr": 2e-3,
-                               "runs_dir": str(tmp_path / "runs")})
+    cfg = load_config("tiny", {**dag["overrides"], "dpo.loss": loss, "dpo.max_steps": 100, "dpo.eval_every": 0,
+                               "eval.enabled": False, "runs_dir": str(tmp_path / "runs"), **settings})
     base, sft = run_dir / "pretrain", run_dir / "sft"
     dpo.run(cfg, {"base": base, "sft": sft, "tokenizer": run_dir / "tokenizer", "data": run_dir / "data"}, tmp_path)
-    tok, pairs = load_tokenizer(run_dir / "tokenizer"), list(formats.read_dpo(split_path(run_dir / "data", "dpo_eval")))[:40]
+    tok, pairs = load_tokenizer(run_dir / "tokenizer"), list(formats.read_dpo(split_path(run_dir / "data", "dpo_eval")))
+    assert len(pairs) == 200
     sft_model = load_policy(base, sft).eval()
+    beta = cfg.dpo.beta
     before = preference_metrics(sft_model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=beta)
     after = preference_metrics(load_policy(base, sft, tmp_path).eval(), tok, pairs, seq_len=cfg.dpo.seq_len, beta=beta,
                                ref_model=sft_model)
-    assert after["implicit_reward_accuracy"] > 0.6, after
-    assert after["logprob_accuracy"] >= before["logprob_accuracy"] - 0.05, (after, before)
+    assert after["implicit_reward_accuracy"] > 0.58, after
+    assert after["logprob_accuracy"] >= before["logprob_accuracy"] - 0.03, (after, before)
 
 
 def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(dag, monkeypatch):

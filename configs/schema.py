@@ -221,14 +221,16 @@ class DPOConfig(TrainConfig):
 
     lora: LoRAConfig = LoRAConfig()
     # dpo: DPO's sigmoid loss; ipo: IPO's squared loss; simpo, orpo: reference-free (no reference forward: the
-    # stage runs one forward per step instead of two). (KTO's loss is in engine/losses.py; its unpaired data path
-    # is not built yet.)
-    loss: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+    # stage runs one forward per step instead of two); kto: KTO on unpaired rows, each answer labelled desirable or
+    # not ({"prompt" or "messages", "completion", "label": true/false} in data.dpo; pairs there are unpaired).
+    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = "dpo"
     beta: float = Field(0.1, gt=0)        # β of every loss but ORPO (SimPO's paper uses 2–2.5, KTO's 0.1)
     nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation).
     #                                        ORPO has its own (its L_SFT, weight 1) and ignores this
     simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin γ
     orpo_lambda: float = Field(0.1, gt=0)  # ORPO's λ: weight of the odds-ratio term beside the chosen NLL
+    kto_desirable_weight: float = Field(1.0, gt=0)     # KTO's λ_D and λ_U: weigh them so that λ_D·n_D ≈ λ_U·n_U
+    kto_undesirable_weight: float = Field(1.0, gt=0)   # (to 4/3 of it, the paper says)
 
     @model_validator(mode="after")
     def _reference_stays_frozen(self):

@@ -208,6 +208,18 @@ def clean_conversations(convs: Iterable[list[Message]], *, dedup: bool,
             yield conv
 
 
+def clean_kto(rows: Iterable, *, dedup: bool, report: CleanReport) -> Iterator:
+    """Drop KTO rows (data.formats.KTORow) with an empty answer and (with dedup) exact repeats."""
+    seen = _Seen(dedup)
+    for row in rows:
+        if not row.completion["content"].strip():
+            report.drop("empty", lambda: _preview([row.prompt, row.completion]))
+        elif seen.repeat([[(m["role"], m["content"]) for m in row.prompt], row.completion["content"], row.desirable]):
+            report.drop("duplicate", lambda: _preview([row.prompt, row.completion]))
+        else:
+            yield row
+
+
 def clean_pairs(pairs: Iterable[tuple[list[Message], Message, Message]], *, dedup: bool,
                 report: CleanReport) -> Iterator[tuple[list[Message], Message, Message]]:
     """Drop DPO pairs with an empty answer, chosen == rejected (ignoring surrounding whitespace),

@@ -46,7 +46,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from configs.errors import quote
 from data.cleaning import CleanReport
@@ -491,16 +491,50 @@ def _sft(row: _Row, obj: dict) -> list[Message]:
     return row.alpaca(obj) if key == "instruction" else row.messages(obj[key], key)
 
 
+class KTORow(NamedTuple):
+    """An unpaired preference row (KTO): the prompt, one answer, and whether that answer is desirable."""
+
+    prompt: list[Message]
+    completion: Message
+    desirable: bool
+
+
+def _prompt(row: _Row, p: Any, field: str) -> list[Message]:
+    if isinstance(p, list):
+        return row.messages(p, field, last="user")
+    if isinstance(p, str):
+        return [{"role": "user", "content": p}]
+    raise row.error(field, f"expected a string or a list of messages, got {_kind(p)}")
+
+
+def _kto(row: _Row, obj: dict) -> KTORow:
+    """{"prompt": str | messages, or "messages": messages, "completion": str | [assistant message], "label": bool}."""
+    if "prompt" in obj:
+        prompt = _prompt(row, obj["prompt"], "prompt")
+    else:
+        prompt = _prompt(row, row.get(obj, "messages", "prompt"), "messages")
+    label = row.get(obj, "label")
+    if not isinstance(label, bool):
+        raise row.error("label", f"expected true (a desirable answer) or false, got {quote(label)}")
+    return KTORow(prompt, row.answer(row.get(obj, "completion"), "completion"), label)
+
+
+def _is_kto(obj: Any) -> bool:
+    return isinstance(obj, dict) and "label" in obj and "completion" in obj
+
+
+def _preference(row: _Row, obj: dict):
+    """A KTO row or a DPO pair, whichever the row is (data.dpo holds either)."""
+    return _kto(row, obj) if _is_kto(obj) else _dpo(row, obj)
+
+
 def _dpo(row: _Row, obj: dict) -> tuple[list[Message], Message, Message]:
+    if _is_kto(obj):
+        raise row.error("label", "this is an unpaired KTO row (prompt, completion, label); it needs dpo.loss: kto, "
+                                 "the paired losses (dpo, ipo, simpo, orpo) read chosen/rejected pairs")
     chosen_raw = obj.get("chosen")
     if "prompt" in obj and not (isinstance(chosen_raw, list) and len(chosen_raw) > 1):
-        p = obj["prompt"]
-        if isinstance(p, list):
-            prompt = row.messages(p, "prompt", last="user")
-        elif isinstance(p, str):
-            prompt = [{"role": "user", "content": p}]
-        else:
-            raise row.error("prompt", f"expected a string or a list of messages, got {_kind(p)}")
+        prompt = _prompt(row, obj["prompt"], "prompt")
         return prompt, row.answer(row.get(obj, "chosen"), "chosen"), row.answer(row.get(obj, "rejected"), "rejected")
     chosen = row.messages(row.get(obj, "chosen"), "chosen")
     rejected = row.messages(row.get(obj, "rejected"), "rejected")
@@ -517,6 +551,24 @@ def _dpo(row: _Row, obj: dict) -> tuple[list[Message], Message, Message]:
         raise row.error(f"chosen[{len(chosen) - 2}]",
                         f"the prompt must end with 'user', got {quote(chosen[-2]['role'])}")
     return chosen[:-1], chosen[-1], rejected[-1]
+
+
+def read_preferences(path: str | Path, *, on_bad_row: str = "error", report: CleanReport | None = None,
+                     max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[list[Message], Message, Message] | KTORow]:
+    """Per row a DPO pair (prompt, chosen, rejected) or a KTORow, whichever the row is: what data.dpo may hold."""
+    return (v for _, v in _read(path, _preference, on_bad_row, report, max_line_bytes))
+
+
+def read_kto(path: str | Path, *, on_bad_row: str = "error", report: CleanReport | None = None,
+             max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[KTORow]:
+    """KTO rows; a DPO pair is read as two of them (chosen: desirable, rejected: not), as TRL unpairs them."""
+    for row in read_preferences(path, on_bad_row=on_bad_row, report=report, max_line_bytes=max_line_bytes):
+        if isinstance(row, KTORow):
+            yield row
+        else:
+            prompt, chosen, rejected = row
+            yield KTORow(prompt, chosen, True)
+            yield KTORow(prompt, rejected, False)
 
 
 def read_pretrain(path: str | Path, *, on_bad_row: str = "error", report: CleanReport | None = None,

@@ -55,5 +55,7 @@ def _normalised(kind: str, row) -> dict:
         return {"text": row}
     if kind == "sft":
         return {"messages": row}
+    if hasattr(row, "desirable"):           # a KTO row (data.formats.KTORow)
+        return {"messages": row.prompt, "completion": row.completion["content"], "label": row.desirable}
     prompt, chosen, rejected = row
     return {"chosen": prompt + [chosen], "rejected": prompt + [rejected]}

@@ -13,6 +13,7 @@ Batch dict (int64 tensors unless noted):
     packed                                     bool: rows hold several documents (needs the doc mask)
     capacity                                   rows × seq_len
     group_docs                                 (n_groups, group_size) doc ids of each group, in order
+    group_labels                               (n_groups,) each group's label, from a source that has them (KTO)
     data_state                                 dict: sampler + look-ahead state right after this batch
 """
 from __future__ import annotations
@@ -115,18 +116,20 @@ class PackedBatches:
         return {"order": order_state, "packer": self.state_dict()}
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        rows = []
+        rows, placed = [], []
         for _ in range(self.rows):
             self._fill()
             groups = self._row()
             if groups:
                 rows.append([self.source.example(g * self.group_size + k) for g in groups
                              for k in range(self.group_size)])
+                placed += groups
         if not rows:
             raise StopIteration
         # Taken here, in the producer: with prefetching the consumer is behind the sampler, so a
         # checkpoint must store the state that came with the last batch it trained on.
-        return {**place(rows, self.seq_len, self.group_size), "data_state": self.data_state()}
+        return {**place(rows, self.seq_len, self.group_size), **_group_labels(self.source, placed),
+                "data_state": self.data_state()}
 
     def state_dict(self) -> dict:
         return {"buffer": list(self.buffer)}
@@ -143,4 +146,11 @@ def padded_batches(source: ExampleSource, order: Iterator[int], *, batch_size: i
         docs = [source.example(g * group_size + k) for g in groups for k in range(group_size)]
         width = max(len(ids) for ids, _ in docs)
         state = {"order": order.state_dict() if hasattr(order, "state_dict") else None, "packer": None}
-        yield {**place([[d] for d in docs], width, group_size, packed=False), "data_state": state}
+        yield {**place([[d] for d in docs], width, group_size, packed=False), **_group_labels(source, groups),
+               "data_state": state}
+
+
+def _group_labels(source: ExampleSource, groups: list[int]) -> dict[str, torch.Tensor]:
+    """{"group_labels": the placed groups' labels, in group_docs order} for a source with labels (KTO), else {}."""
+    labels = source.group_labels() if hasattr(source, "group_labels") else None
+    return {} if labels is None else {"group_labels": torch.from_numpy(labels[groups])}

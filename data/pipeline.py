@@ -16,7 +16,7 @@ import torch
 from artifacts import sha256_json
 from configs.schema import Config, TrainConfig
 from data import formats
-from data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_pairs, clean_texts
+from data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_kto, clean_pairs, clean_texts
 from data.formats import DataError
 from data.holdout import without
 from data.packing import PackedBatches, padded_batches
@@ -24,11 +24,12 @@ from data.prefetch import Prefetcher
 from data.prepare import held_out_ids, split_source, unchanged_rows
 from data.sampler import EpochSampler
 from data.token_store import TokenStore
-from data.tokenize import dpo_examples, lm_examples, sft_examples, tokenized
+from data.tokenize import dpo_examples, kto_examples, lm_examples, sft_examples, tokenized
 from data.tokenizer import load_tokenizer
 
 log = logging.getLogger("glm_lora.data")
-READERS = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo}
+READERS = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo,
+           "kto": formats.read_kto}
 
 
 class StageData:
@@ -45,20 +46,25 @@ class StageData:
         # Read lazily (only on a cache miss), checked against the hash the cache key is made of; rows the
         # data stage held out of this file for evaluation are skipped.
         held = held_out_ids(self.data_dir, split)
-        rows = without(unchanged_rows(READERS[kind](path, on_bad_row=dc.on_bad_row, report=report,
-                                                    max_line_bytes=dc.max_line_bytes), path, sha, split), held)
+        store_kind = "kto" if kind == "dpo" and getattr(tc, "loss", "dpo") == "kto" else kind
+        group_meta = {"group_labels": []} if store_kind == "kto" else None
+        rows = without(unchanged_rows(READERS[store_kind](path, on_bad_row=dc.on_bad_row, report=report,
+                                                          max_line_bytes=dc.max_line_bytes), path, sha, split), held)
         if kind == "pretrain":
             examples = lm_examples(clean_texts(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
                                    min_tokens=dc.min_tokens, report=report)
         elif kind == "sft":
             examples = sft_examples(clean_conversations(rows, dedup=dc.dedup, report=report), self.tok,
                                     seq_len=tc.seq_len, overlong=dc.overlong, min_tokens=dc.min_tokens, report=report)
+        elif store_kind == "kto":           # unpaired rows (pairs are unpaired), each with its mismatched KL twin
+            examples = kto_examples(clean_kto(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
+                                    overlong=dc.overlong, report=report, desirable=group_meta["group_labels"])
         else:
             examples = dpo_examples(clean_pairs(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
                                     overlong=dc.overlong, report=report)
         settings = {"seq_len": tc.seq_len, "min_tokens": dc.min_tokens, "overlong": dc.overlong, "dedup": dc.dedup,
                     "on_bad_row": dc.on_bad_row, "max_line_bytes": dc.max_line_bytes, "held_out": sha256_json(held)}
-        store = tokenized(kind, sha, self.tokenizer_dir, examples,
+        store = tokenized(store_kind, sha, self.tokenizer_dir, examples, group_meta=group_meta,
                           cache_root=self.cfg.runs_dir.resolve() / ".cache" / "tokens", settings=settings, report=report)
         check_drop_fraction(store.meta.get("clean") or {}, split, dc.max_drop_fraction,
                             seq_len=f"{kind}.seq_len ({tc.seq_len})")

@@ -17,7 +17,7 @@ from data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
           "sft": formats.read_sft, "sft_eval": formats.read_sft,
-          "dpo": formats.read_dpo, "dpo_eval": formats.read_dpo}
+          "dpo": formats.read_preferences, "dpo_eval": formats.read_preferences}   # pairs or KTO rows
 SOURCES = "sources.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")

@@ -108,6 +108,11 @@ class TokenStore:
             self._lengths = np.asarray(np.diff(self.offsets))
         return self._lengths
 
+    def group_labels(self) -> np.ndarray | None:
+        """A label per group when the store has them (KTO: 1 = the pair's answer is desirable), else None."""
+        labels = self.meta.get("group_labels")
+        return None if labels is None else np.asarray(labels, dtype=np.int64)
+
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, labels) of example i: int32 views into the memory-maps (no copy)."""
         if not 0 <= i < len(self):

@@ -295,26 +295,49 @@ def dpo_examples(pairs: Iterable[tuple[list[dict], dict, dict]], tok, *, seq_len
     """Chosen then rejected, consecutively; each at most seq_len // 2 so a pair shares a row. With
     truncate_prompt both keep the same prompt, cut from the left for the longer answer."""
     _check_overlong(overlong)
-    limit = seq_len // 2
     for prompt, chosen, rejected in pairs:
-        try:
-            if overlong == "truncate_prompt":
-                got = _prompt_fits(tok, prompt, [chosen, rejected], limit, report)
-                c, r = got if got else (None, None)
-            else:
-                truncated = report.truncated
-                c = _fit(tokenize_chat(tok, cut_messages(tok, prompt + [chosen], limit)), limit, overlong, report)
-                r = (_fit(tokenize_chat(tok, cut_messages(tok, prompt + [rejected], limit)), limit, overlong, report)
-                     if c else None)
-                report.truncated = min(report.truncated, truncated + 1)   # one row, counted once
-        except ChatRowError as e:
-            report.drop(e.reason, str(e))
-            continue
-        if c is None or r is None:
-            continue
-        report.kept += 1
-        yield c
-        yield r
+        got = _same_prompt(tok, prompt, [chosen, rejected], seq_len // 2, overlong, report)
+        if got is not None:
+            report.kept += 1
+            yield from got
+
+
+def kto_examples(rows: Iterable, tok, *, seq_len: int, overlong: str, report: CleanReport,
+                 desirable: list[bool]) -> Iterator[Example]:
+    """KTO's unpaired rows as pairs like DPO's: the row's own answer, then the next row's answer to this row's prompt
+    (the mismatched (x, y') pair KTO's KL estimate is made of; the last row takes the first row's answer). Appends
+    each kept row's label to `desirable`, in order."""
+    _check_overlong(overlong)
+    rows = iter(rows)
+    first = prev = next(rows, None)
+    if first is None:
+        return
+    for cur in itertools.chain(rows, [first]):
+        got = _same_prompt(tok, prev.prompt, [prev.completion, cur.completion], seq_len // 2, overlong, report)
+        if got is not None:
+            report.kept += 1
+            desirable.append(prev.desirable)
+            yield from got
+        prev = cur
+
+
+def _same_prompt(tok, prompt: list[dict], answers: list[dict], limit: int, overlong: str,
+                 report: CleanReport) -> list[Example] | None:
+    """prompt + each answer, each at most `limit` tokens; None (counted) if the row is dropped."""
+    try:
+        if overlong == "truncate_prompt":
+            return _prompt_fits(tok, prompt, answers, limit, report)
+        truncated, out = report.truncated, []
+        for a in answers:
+            e = _fit(tokenize_chat(tok, cut_messages(tok, prompt + [a], limit)), limit, overlong, report)
+            if e is None:
+                break
+            out.append(e)
+        report.truncated = min(report.truncated, truncated + 1)   # one row, counted once
+        return out if len(out) == len(answers) else None
+    except ChatRowError as e:
+        report.drop(e.reason, str(e))
+        return None
 
 
 def _check_overlong(overlong: str) -> None:
@@ -323,9 +346,9 @@ def _check_overlong(overlong: str) -> None:
 
 
 def tokenized(kind: str, data_sha256: str, tokenizer_dir: Path, examples: Iterable[Example], *, cache_root: Path,
-              settings: dict, report: CleanReport) -> TokenStore:
+              settings: dict, report: CleanReport, group_meta: dict | None = None) -> TokenStore:
     """Cached by tokenizer + data content + settings + this code; `examples` is consumed only on a miss."""
     key = {"kind": kind, "tokenizer": tokenizer_digest(tokenizer_dir), "data": data_sha256,
            "settings": settings, "code": code_version(("data",))}
-    return cached_token_store(Path(cache_root), key, lambda: examples, group_size=2 if kind == "dpo" else 1,
-                              meta_fn=lambda: {"clean": report.as_dict()})
+    return cached_token_store(Path(cache_root), key, lambda: examples, group_size=2 if kind in ("dpo", "kto") else 1,
+                              meta_fn=lambda: {"clean": report.as_dict(), **(group_meta or {})})

@@ -31,7 +31,7 @@ from data.cleaning import CleanReport
 from data.formats import MAX_LINE_BYTES, read_sft_rows
 from data.packing import PackedBatches, padded_batches
 from data.synthetic import check_answer
-from data.tokenize import cut_messages, dpo_examples, lm_examples, sft_examples
+from data.tokenize import cut_messages, dpo_examples, kto_examples, lm_examples, sft_examples
 from data.tokenizer import end_of_turn_ids
 from engine.losses import causal_lm_loss, group_logprobs
 from engine.trainer import to_device
@@ -311,6 +311,42 @@ def _pair_logprobs(model, source: _Examples, batch_pairs: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _with_reference(model, ref_model, score):
+    """score(m) for the policy and for its reference (`ref_model`, else the policy with its LoRA off; None
+    without either)."""
+    with _evaluating(model):
+        policy = score(model)
+        if ref_model is not None:
+            with _evaluating(ref_model):
+                return policy, score(ref_model)
+        if lora_modules(model):
+            with lora_disabled(model):
+                return policy, score(model)
+    return policy, None
+
+
+def kto_metrics(model, tok, rows: list, *, seq_len: int, beta: float, ref_model=None, batch_pairs: int = 16) -> dict:
+    """KTO's held-out view on unpaired rows (data.formats.KTORow): r = β·(log π − log π_ref) of each answer, z₀ the
+    same log-ratio on the mismatched (x, y') twins clamped at 0 (as in training); kto_accuracy = share of rows where
+    r > β·z₀ exactly when the answer is desirable. None entries without a reference."""
+    report, desirable = CleanReport(), []
+    examples = list(kto_examples(rows, tok, seq_len=seq_len, overlong="truncate_prompt", report=report,
+                                 desirable=desirable))
+    if not examples:
+        raise ValueError(f"kto_metrics: no row left to evaluate ({report.dropped})")
+    source = _Examples(examples)
+    policy, ref = _with_reference(model, ref_model, lambda m: _pair_logprobs(m, source, batch_pairs))
+    out = {"n": len(policy), "dropped": len(rows) - len(policy), "kto_accuracy": None, "kl": None}
+    if ref is not None:
+        r = policy[:, 0] - ref[:, 0]
+        z0 = float((policy[:, 1] - ref[:, 1]).mean().clamp(min=0))
+        label = torch.tensor(desirable)
+        out.update(kto_accuracy=float(((r > z0) == label).float().mean()), kl=z0,
+                   desirable_reward=float(beta * r[label].mean()) if label.any() else None,
+                   undesirable_reward=float(beta * r[~label].mean()) if (~label).any() else None)
+    return out
+
+
 def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *, seq_len: int, beta: float,
                        ref_model=None, batch_pairs: int = 16) -> dict:
     """DPO's held-out view: does the policy rank chosen above rejected, relative to the reference?
@@ -328,16 +364,7 @@ def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *
     if not examples:
         raise ValueError(f"preference_metrics: no pair left to evaluate ({report.dropped})")
     source = _Examples(examples)
-    with _evaluating(model):
-        policy = _pair_logprobs(model, source, batch_pairs)
-        if ref_model is not None:
-            with _evaluating(ref_model):
-                ref = _pair_logprobs(ref_model, source, batch_pairs)
-        elif lora_modules(model):
-            with lora_disabled(model):
-                ref = _pair_logprobs(model, source, batch_pairs)
-        else:
-            ref = None
+    policy, ref = _with_reference(model, ref_model, lambda m: _pair_logprobs(m, source, batch_pairs))
     out = {"logprob_accuracy": float((policy[:, 0] > policy[:, 1]).float().mean()), "n": len(policy),
            "dropped": len(pairs) - len(policy), "implicit_reward_accuracy": None, "mean_margin": None}
     if ref is not None:

@@ -96,21 +96,29 @@ def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
 
 
 def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
-    """DPO metrics on dpo_eval (+ exact match on sft_eval); bad rows as in eval_lm (`bad_rows_dpo_eval`)."""
+    """Preference metrics on dpo_eval (+ exact match on sft_eval); bad rows as in eval_lm (`bad_rows_dpo_eval`).
+    Pairs: implicit-reward and likelihood ranking, rejected-answer rates; unpaired KTO rows: kto_accuracy."""
     dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
-    rows = formats.read_dpo(split_path(data_dir, "dpo_eval"), on_bad_row=dc.on_bad_row, report=report,
-                            max_line_bytes=dc.max_line_bytes)
-    pairs = list(itertools.islice(rows, cfg.eval.max_rows))
+    rows = formats.read_preferences(split_path(data_dir, "dpo_eval"), on_bad_row=dc.on_bad_row, report=report,
+                                    max_line_bytes=dc.max_line_bytes)
+    rows = list(itertools.islice(rows, cfg.eval.max_rows))
     if report.dropped.get("bad_row"):
         log.warning("dpo_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
-    prefs = evaluate.preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
+    pairs = [r for r in rows if not isinstance(r, formats.KTORow)]
+    if len(pairs) < len(rows):          # unpaired rows: KTO's view (pairs among them count as two rows)
+        unpaired = [k for r in rows for k in ([r] if isinstance(r, formats.KTORow) else
+                                              [formats.KTORow(r[0], r[1], True), formats.KTORow(r[0], r[2], False)])]
+        prefs, rejected, sft_rejected = evaluate.kto_metrics(model, tok, unpaired, seq_len=cfg.dpo.seq_len,
+                                                             beta=cfg.dpo.beta), None, None
+    else:
+        prefs = evaluate.preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
+        rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+        with lora_disabled(model):      # the SFT model, for "DPO must lower the rejected-answer rate"
+            sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
     tasks = eval_tasks(cfg, model, tok, data_dir)
-    rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
-    with lora_disabled(model):      # the SFT model, for "DPO must lower the rejected-answer rate"
-        sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
     kept = ("exact_match", "min_family", "per_family", "chrf", "answer_loss", "answer_perplexity", "samples",
             "bad_rows_sft_eval")
     return {**prefs, **{k: tasks[k] for k in kept}, "rejected_match_rate": rejected,
             "sft_rejected_match_rate": sft_rejected, "bad_rows_dpo_eval": report.dropped.get("bad_row", 0),
-            "data": {"dpo_eval": split_provenance(data_dir, "dpo_eval", len(pairs)), **tasks["data"]}}
+            "data": {"dpo_eval": split_provenance(data_dir, "dpo_eval", len(rows)), **tasks["data"]}}

@@ -117,7 +117,8 @@ class PreferenceLoss:
     @classmethod
     def of(cls, tc) -> "PreferenceLoss":
         """From a DPOConfig section."""
-        return cls(tc.beta, tc.nll_weight, tc.loss, gamma=tc.simpo_gamma, orpo_lambda=tc.orpo_lambda)
+        return cls(tc.beta, tc.nll_weight, tc.loss, gamma=tc.simpo_gamma, orpo_lambda=tc.orpo_lambda,
+                   desirable_weight=tc.kto_desirable_weight, undesirable_weight=tc.kto_undesirable_weight)
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
         policy, counts = group_logprobs(model, batch)                      # (pairs, 2) each
@@ -126,7 +127,7 @@ class PreferenceLoss:
             with torch.no_grad(), lora_disabled(model):
                 ref, _ = group_logprobs(model, batch)
         if self.kind == "kto":
-            return self._kto(policy, ref, batch["desirable"])
+            return self._kto(policy, ref, batch["group_labels"].bool())
         n = counts.clamp(min=1).to(policy.dtype)
         per_pair, margin = PAIRED[self.kind](policy[:, 0], policy[:, 1], *(ref.unbind(1) if ref is not None
                                                                            else (None, None)),

@@ -13,7 +13,7 @@ from tasks.table import STAGES
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "key_parts_deefde7.json").read_text())
 ADDED = {"router_aux_loss",        # TrainConfig (every training section), for MoE router health (issue 25)
-         "loss", "simpo_gamma", "orpo_lambda"}                    # dpo.loss and its variants' settings (issue 26)
+         "loss", "simpo_gamma", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"}   # dpo.loss (26)
 
 
 def _without_added(node):

@@ -17,6 +17,8 @@ from configs.errors import UserError
 from configs.schema import Config
 from engine import dist
 from engine.memory import GiB, describe, lora_memory
+from data import formats
+from data.cleaning import CleanReport
 from data.prepare import base_tokenizer_files, check_user_paths
 from data.tokenizer import load_tokenizer
 from model.hf import check_tokenizer_fits, check_weights, read_hf_config
@@ -28,6 +30,7 @@ log = logging.getLogger("glm_lora.preflight")
 
 def preflight(cfg: Config) -> None:
     check_user_paths(cfg.data)
+    _check_preference_rows(cfg)
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     if cfg.base_model is None:
         _check_lora(cfg, DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1}))
@@ -73,3 +76,14 @@ def _check_memory(cfg: Config, layout: DecoderConfig) -> None:
                                 f"this GPU has {have / GiB:.1f} GiB (base_model {cfg.base_model}): set dist.strategy fsdp2 "
                                 f"over more GPUs (dist.nproc_per_node), {stage}.activation_checkpointing: true, a "
                                 f"smaller {stage}.batch_size, or {stage}.lora.quantization nf4 (non-expert layers)")
+
+
+def _check_preference_rows(cfg: Config) -> None:
+    """data.dpo may hold unpaired KTO rows, which only dpo.loss kto trains on (the data stage accepts both kinds):
+    with a paired loss, its rows are read now, so such a row stops the run before SFT trains, naming file:line."""
+    dc = cfg.data
+    if dc.dpo is None or cfg.dpo.loss == "kto":
+        return
+    report = CleanReport(max_examples=0)
+    for _ in formats.read_dpo(dc.dpo, on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes):
+        pass

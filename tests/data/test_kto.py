@@ -102,3 +102,14 @@ def test_the_kto_loss_reads_the_batch_labels():
     assert torch.isfinite(loss) and not torch.isclose(loss, flipped)
     assert {"kl", "desirable_reward", "undesirable_reward", "preference_accuracy"} <= set(metrics)
     assert np.isfinite(float(metrics["kl"]))
+
+
+def test_a_paired_loss_on_a_kto_file_stops_before_any_training(tmp_path):
+    from configs import load_config
+    from engine.preflight import preflight
+    path = write(tmp_path, [{"prompt": "Say hi.", "chosen": "hi", "rejected": "no"},
+                            {"prompt": "Say yo.", "completion": "yo", "label": True}])
+    cfg = load_config("tiny", {"data.dpo": str(path), "runs_dir": str(tmp_path / "runs")})
+    with pytest.raises(DataError, match=rf"{path}:2.*it needs dpo.loss: kto"):
+        preflight(cfg)
+    preflight(load_config("tiny", {"data.dpo": str(path), "dpo.loss": "kto", "runs_dir": str(tmp_path / "runs")}))

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from configs.errors import UserError
+from glm_lora.configs.errors import UserError
 
 MANIFEST = "manifest.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -100,13 +100,14 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def file_entry(p: Path) -> dict:
+    """A file's manifest entry."""
+    return {"sha256": sha256_file(p), "size": p.stat().st_size}
+
+
 def _file_entries(root: Path) -> dict[str, dict]:
-    files = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            rel = p.relative_to(root).as_posix()
-            files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-    return files
+    return {p.relative_to(root).as_posix(): file_entry(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
 
 
 def content_digest(files: dict[str, dict]) -> str:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from configs.errors import UserError
+from glm_lora.configs.errors import UserError
 
 LOCK = ".lock"
 _SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<ns>\d+)$")

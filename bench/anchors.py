@@ -27,7 +27,7 @@ import contextlib
 import numpy as np
 import torch
 
-from data.packing import IGNORE
+from glm_lora.data.packing import IGNORE
 
 HF_MASK = {"mode": "detect"}    # "detect": from position_ids (user path); "explicit": our BlockMask (fallback)
 
@@ -62,7 +62,7 @@ def liger_peft(cfg, device: torch.device):
 
 def _mask_kwargs(b: dict) -> dict:
     if HF_MASK["mode"] == "explicit" and b["doc_ids"].is_cuda:
-        from kernels import flex
+        from glm_lora.kernels import flex
         return {"attention_mask": flex.document_block_mask(b["doc_ids"])}
     return {}
 

@@ -32,15 +32,15 @@ from pathlib import Path
 import torch
 
 from bench.common import BENCH, write_result
-from configs import load_config
-from data.pipeline import StageData
-from data.prepare import split_path
-from engine import evaluate
-from engine.compile import compiled_training
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer, lr_at
-from model import inject_lora
-from model.hf import load_native
+from glm_lora.configs import load_config
+from glm_lora.data.pipeline import StageData
+from glm_lora.data.prepare import split_path
+from glm_lora.engine import evaluate
+from glm_lora.engine.compile import compiled_training
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer, lr_at
+from glm_lora.model import inject_lora
+from glm_lora.model.hf import load_native
 
 
 def sft_setup(run: Path, runs_dir: Path):

@@ -19,16 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+from glm_lora import kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, TARGETS, RandomDPO, autocast, decoder_config, free, guarded, hf_peft,
                              our_model, parser, ratios, selected, setup, table, timed)
-from data.packing import IGNORE, PackedBatches, padded_batches
-from data.sampler import EpochSampler
-from engine.losses import PreferenceLoss
-from engine.optim import build_optimizer
-from model import inject_lora
-from configs.schema import LoRAConfig
+from glm_lora.data.packing import IGNORE, PackedBatches, padded_batches
+from glm_lora.data.sampler import EpochSampler
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 PROVIDERS = ("hf_peft_naive", "ours_packed_reference", "ours_packed_fused")
 BASE = "hf_peft_naive"

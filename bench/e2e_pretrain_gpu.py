@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from glm_lora import kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
                              ratios, selected, setup, table, timed)
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer
-from model import DecoderConfig
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import DecoderConfig
 
 PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_compiled")
 BASE = "hf_eager"

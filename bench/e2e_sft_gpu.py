@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from glm_lora import kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, TARGETS, RandomSFT, autocast, decoder_config, guarded, hf_peft,
                              our_model, parser, ratios, scaled_lengths, selected, setup, table, timed)
-from data.packing import PackedBatches, padded_batches
-from data.sampler import EpochSampler
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer
-from model import inject_lora
-from configs.schema import LoRAConfig
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.sampler import EpochSampler
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 PROVIDERS = ("hf_peft_padded", "ours_padded_reference", "ours_packed_reference", "ours_packed_fused",
              "ours_packed_fused_flex")

@@ -36,8 +36,8 @@ import triton
 import triton.testing
 
 from bench.common import commit, provenance
-from kernels import reference
-from kernels import triton_grouped_mm as tgm
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_grouped_mm as tgm
 
 HIDDEN, INTER, RANK, SCALE, TOKENS = 2048, 1408, 16, 2.0, 16384
 SHAPES = {"64e_top8_up": (8, 64, HIDDEN, INTER), "64e_top8_down": (8, 64, INTER, HIDDEN),

@@ -26,16 +26,16 @@ import json
 from pathlib import Path
 import torch
 
-import kernels
+from glm_lora import kernels
 from bench.common import write_result
 from bench.workloads import (WARMUP_RULE, RandomSFT, free, guarded, parser, scaled_lengths, timed_steps, train_step)
-from configs.schema import LoRAConfig
-from data.packing import PackedBatches
-from data.sampler import EpochSampler
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer
-from model import Decoder, DecoderConfig, inject_lora
-from model.lora import cast_frozen_gemm_weights
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.data.packing import PackedBatches
+from glm_lora.data.sampler import EpochSampler
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.model.lora import cast_frozen_gemm_weights
 
 SHAPES = {
     "air8": dict(hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, num_layers=8, intermediate_size=5632,

@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from bench.common import write_result
-from data.packing import PackedBatches, padded_batches
-from data.sampler import EpochSampler
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.sampler import EpochSampler
 
 
 class LengthsOnly:

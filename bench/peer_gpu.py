@@ -35,19 +35,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import kernels
+from glm_lora import kernels
 from bench import anchors
 from bench.common import write_result
 from bench.e2e_dpo_gpu import BETA, naive_dpo_loss
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, autocast, decoder_config, free,
                              hf_model, hf_peft, our_model, parser, precision_note, result_name, scaled_lengths,
                              setup, timed_steps, train_step)
-from data.packing import PackedBatches, padded_batches
-from data.sampler import EpochSampler
-from engine.losses import PreferenceLoss, causal_lm_loss
-from engine.optim import build_optimizer
-from model import inject_lora
-from configs.schema import LoRAConfig
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.sampler import EpochSampler
+from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "hf_liger_packed", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_simpo", "ours_flex_orpo")

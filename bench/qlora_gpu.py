@@ -25,16 +25,16 @@ import time
 
 import torch
 
-import kernels
+from glm_lora import kernels
 from bench import anchors
 from bench.common import write_result
 from bench.peer_gpu import packed_batches
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomSFT, decoder_config, free, hf_model, hf_peft,
                              our_model, parser, result_name, scaled_lengths, setup, timed_steps, train_step)
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer
-from model import inject_lora
-from configs.schema import LoRAConfig
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 SIZES.setdefault("8b", dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336))
 SIZES.setdefault("8b-stack", {**SIZES["8b"], "num_layers": 8})

@@ -37,16 +37,16 @@ def tiny_shaped_export(tmp: Path) -> Path:
     ranks and modules_to_save), through our own export: throughput does not depend on what was learnt."""
     import random
 
-    from artifacts import write_manifest
-    from configs import load_config
-    from data.tokenizer import train_tokenizer, load_tokenizer
-    from engine.fit import decoder_config
-    from export import export
-    from model import inject_lora
-    from model.adapters import load_policy, save_adapter
-    from model.hf import save_native
-    from model.lora import lora_modules
-    from model.model import Decoder
+    from glm_lora.artifacts import write_manifest
+    from glm_lora.configs import load_config
+    from glm_lora.data.tokenizer import train_tokenizer, load_tokenizer
+    from glm_lora.engine.fit import decoder_config
+    from glm_lora.export import export
+    from glm_lora.model import inject_lora
+    from glm_lora.model.adapters import load_policy, save_adapter
+    from glm_lora.model.hf import save_native
+    from glm_lora.model.lora import lora_modules
+    from glm_lora.model.model import Decoder
 
     cfg = load_config("tiny", {"runs_dir": str(tmp / "runs"), "eval.enabled": False})
     rng = random.Random(0)
@@ -129,7 +129,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.common import write_result
-    from serve import vllm_server as vs
+    from glm_lora.serve import vllm_server as vs
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--export", help="an export directory (default: a random one in the tiny default's shape)")

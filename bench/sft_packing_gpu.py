@@ -17,16 +17,16 @@ import time
 
 import torch
 
-import kernels
+from glm_lora import kernels
 from bench.common import write_result
 from bench.packing_efficiency import skewed_lengths
 from bench.workloads import TARGETS, RandomSFT
-from data.packing import PackedBatches, padded_batches
-from data.sampler import EpochSampler
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer
-from model import Decoder, DecoderConfig, inject_lora
-from configs.schema import LoRAConfig
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.sampler import EpochSampler
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 
 def run(provider: str, args, src) -> dict:

@@ -5,10 +5,10 @@ bf16 loss curves that agree.
 
     python -m bench.torchrun_overhead_gpu [--config base] [--steps 30] [--set KEY=VALUE ...]
 
-Stage inputs are made first with `python -m flows.cli stage data|tokenizer` in a scratch runs_dir.
+Stage inputs are made first with `python -m glm_lora.flows.cli stage data|tokenizer` in a scratch runs_dir.
 tokens/s = median of the per-window `tokens_per_s` after the first two windows (warm-up: model
-build, FlexAttention compile). Both variants run as subprocesses (`python -m engine STAGE` vs
-`torchrun ... -m engine STAGE`), so start-up is alike and only the wrapper differs.
+build, FlexAttention compile). Both variants run as subprocesses (`python -m glm_lora.engine STAGE` vs
+`torchrun ... -m glm_lora.engine STAGE`), so start-up is alike and only the wrapper differs.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from artifacts import write_manifest
+from glm_lora.artifacts import write_manifest
 from bench.common import write_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +53,8 @@ def main() -> None:
             "pretrain.log_every=5", "sft.log_every=5", "pretrain.eval_every=0", "sft.eval_every=0", *args.set]
     flags = [a for s in sets for a in ("--set", s)]
     for stage in ("data", "tokenizer"):
-        sh([sys.executable, "-m", "flows.cli", "stage", stage, "--config", args.config, *flags], REPO)
-    from configs import load_config, parse_value
+        sh([sys.executable, "-m", "glm_lora.flows.cli", "stage", stage, "--config", args.config, *flags], REPO)
+    from glm_lora.configs import load_config, parse_value
     cfg = load_config(args.config, {k: parse_value(v) for k, _, v in (s.partition("=") for s in sets)})
     config_file = work / "config.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
@@ -68,7 +68,7 @@ def main() -> None:
             out.mkdir()
             launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
                       if variant == "torchrun_1" else [sys.executable])
-            metrics = json.loads(sh([*launch, "-m", "engine", stage, "--config", str(config_file), "--out", str(out),
+            metrics = json.loads(sh([*launch, "-m", "glm_lora.engine", stage, "--config", str(config_file), "--out", str(out),
                                      *tail], REPO).strip().splitlines()[-1])
             write_manifest(out, stage)          # a published-looking artifact: the next stage's input
             losses = json.loads((out / "losses.json").read_text())

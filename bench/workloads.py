@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from bench.packing_efficiency import skewed_lengths
-from data.packing import IGNORE
-from model import DecoderConfig
+from glm_lora.data.packing import IGNORE
+from glm_lora.model import DecoderConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIZES = {
@@ -117,7 +117,7 @@ def hf_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = Fal
 
 
 def our_model(cfg: DecoderConfig, device: torch.device, checkpointing: bool = False):
-    from model import Decoder
+    from glm_lora.model import Decoder
     torch.manual_seed(0)
     with torch.device(device):
         model = Decoder(cfg).train()

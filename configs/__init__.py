@@ -9,8 +9,8 @@ from typing import Any, Mapping
 import yaml
 from pydantic import ValidationError
 
-from configs.errors import UserError, quote
-from configs.schema import Config
+from glm_lora.configs.errors import UserError, quote
+from glm_lora.configs.schema import Config
 
 PRESETS = Path(__file__).parent
 

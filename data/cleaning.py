@@ -33,8 +33,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from configs.errors import quote
-from data.errors import DataError
+from glm_lora.configs.errors import quote
+from glm_lora.data.errors import DataError
 
 MAX_EXAMPLES = 3     # example messages kept per reason, by default (data.report_examples)
 EXAMPLE_CHARS = 200  # each example is cut to this length

@@ -3,7 +3,7 @@
 data.formats re-exports it (`from data.formats import DataError` keeps working)."""
 from __future__ import annotations
 
-from configs.errors import UserError
+from glm_lora.configs.errors import UserError
 
 
 class DataError(UserError, ValueError):

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from configs.errors import quote
-from data.cleaning import CleanReport
-from data.errors import DataError  # re-exported: `from data.formats import DataError` keeps working
+from glm_lora.configs.errors import quote
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.errors import DataError  # re-exported: `from data.formats import DataError` keeps working
 
 Message = dict  # {"role": str, "content": str}
 ROLES = ("system", "user", "assistant")

@@ -16,7 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from configs.schema import HoldoutConfig
+from glm_lora.configs.schema import HoldoutConfig
 
 
 def holdout_ids(n_rows: int, cfg: HoldoutConfig, max_rows: int, split: str) -> list[int]:

@@ -23,7 +23,7 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 
-from data.token_store import IGNORE
+from glm_lora.data.token_store import IGNORE
 
 
 class ExampleSource(Protocol):

@@ -13,19 +13,19 @@ from typing import Callable
 
 import torch
 
-from artifacts import sha256_json
-from configs.schema import Config, TrainConfig
-from data import formats
-from data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_kto, clean_pairs, clean_texts
-from data.formats import DataError
-from data.holdout import without
-from data.packing import PackedBatches, padded_batches
-from data.prefetch import Prefetcher
-from data.prepare import held_out_ids, split_source, unchanged_rows
-from data.sampler import EpochSampler
-from data.token_store import TokenStore
-from data.tokenize import dpo_examples, kto_examples, lm_examples, sft_examples, tokenized
-from data.tokenizer import load_tokenizer
+from glm_lora.artifacts import sha256_json
+from glm_lora.configs.schema import Config, TrainConfig
+from glm_lora.data import formats
+from glm_lora.data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_kto, clean_pairs, clean_texts
+from glm_lora.data.formats import DataError
+from glm_lora.data.holdout import without
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.prefetch import Prefetcher
+from glm_lora.data.prepare import held_out_ids, split_source, unchanged_rows
+from glm_lora.data.sampler import EpochSampler
+from glm_lora.data.token_store import TokenStore
+from glm_lora.data.tokenize import dpo_examples, kto_examples, lm_examples, sft_examples, tokenized
+from glm_lora.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("glm_lora.data")
 READERS = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": formats.read_dpo,

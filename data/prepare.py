@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from artifacts import sha256_path
-from configs.schema import Config, DataConfig
-from data import formats, synthetic
-from data.cleaning import CleanReport
-from data.formats import MAX_LINE_BYTES, DataError
-from data.holdout import holdout_ids, write_held_out
-from data.tokenizer import load_tokenizer, train_tokenizer
+from glm_lora.artifacts import sha256_path
+from glm_lora.configs.schema import Config, DataConfig
+from glm_lora.data import formats, synthetic
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import MAX_LINE_BYTES, DataError
+from glm_lora.data.holdout import holdout_ids, write_held_out
+from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
           "sft": formats.read_sft, "sft_eval": formats.read_sft,

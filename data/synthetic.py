@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from artifacts import atomic_write_text
-from configs.errors import UserError
+from glm_lora.artifacts import atomic_write_text
+from glm_lora.configs.errors import UserError
 
 TASK_FAMILIES: tuple[str, ...] = (
     "add_en", "add_zh", "sub_en", "sub_zh", "copy_en", "copy_zh",

@@ -22,10 +22,10 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from artifacts import code_version, sha256_file
-from data.cleaning import CleanReport
-from data.token_store import IGNORE, TokenStore, cached_token_store
-from data.tokenizer import ChatRowError, chat_tokens, prompt_ids, tokenize_chat
+from glm_lora.artifacts import code_version, sha256_file
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.token_store import IGNORE, TokenStore, cached_token_store
+from glm_lora.data.tokenizer import ChatRowError, chat_tokens, prompt_ids, tokenize_chat
 
 OVERLONG = ("truncate_prompt", "truncate", "drop")   # data.overlong
 Example = tuple[list[int], list[int]]

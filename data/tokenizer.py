@@ -31,10 +31,10 @@ from typing import Iterator
 
 import sentencepiece as spm
 
-from configs.errors import UserError, quote
-from data.cleaning import CleanReport
-from data.formats import MAX_LINE_BYTES, DataError, read_pretrain
-from data.token_store import IGNORE as IGNORE_INDEX
+from glm_lora.configs.errors import UserError, quote
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import MAX_LINE_BYTES, DataError, read_pretrain
+from glm_lora.data.token_store import IGNORE as IGNORE_INDEX
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"

@@ -1,16 +1,16 @@
 """One training stage as a plain process, without Prefect:
 
-    python -m engine sft --config tiny --set sft.max_steps=50 \
+    python -m glm_lora.engine sft --config tiny --set sft.max_steps=50 \
         --input base=runs/tiny/pretrain --input tokenizer=runs/tiny/tokenizer --input data=runs/tiny/data \
         --out /tmp/sft-out
 
 writes the stage's files into --out (an existing, empty directory) and prints its metrics as JSON.
-Publishing (manifest, atomic rename, cache key) is the caller's job: `python -m flows.cli stage sft`
+Publishing (manifest, atomic rename, cache key) is the caller's job: `python -m glm_lora.flows.cli stage sft`
 and the flow do it through tasks.cache.build_stage, which is what resolves the inputs of a run.
 
 Under torchrun (WORLD_SIZE set; engine/dist.py) every process runs this with the same arguments:
 
-    torchrun --nproc_per_node 2 -m engine pretrain --config run.yaml --input tokenizer=... --input data=... --out DIR
+    torchrun --nproc_per_node 2 -m glm_lora.engine pretrain --config run.yaml --input tokenizer=... --input data=... --out DIR
 
 Each joins the process group (NCCL on CUDA, one GPU per rank; gloo on CPU), checks the batch math for
 its world size, and runs the stage on its share of the data; only rank 0 writes into --out (exactly the
@@ -27,18 +27,18 @@ import logging
 import sys
 from pathlib import Path
 
-import kernels
-from configs import load_config, parse_value
-from configs.errors import UserError
-from engine import dist, progress
-from engine.trainer import Runtime
+from glm_lora import kernels
+from glm_lora.configs import load_config, parse_value
+from glm_lora.configs.errors import UserError
+from glm_lora.engine import dist, progress
+from glm_lora.engine.trainer import Runtime
 
 TRAINING_STAGES = ("pretrain", "import_base", "sft", "dpo")
 ONE_PROCESS = ("import_base",)      # no training loop: under torchrun rank 0 does it, the others wait
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m glm_lora.engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=TRAINING_STAGES)
     ap.add_argument("--config", default="tiny")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             if not d.main:      # rank 0 speaks for all; the others only warn
                 logging.getLogger().setLevel(logging.WARNING)
             dist.check(cfg, d.world_size)
-        run = importlib.import_module(f"engine.{args.stage}").run
+        run = importlib.import_module(f"glm_lora.engine.{args.stage}").run
         with kernels.using(cfg.kernels, cfg.attention), progress.listening(lambda e: print(progress.as_line(e),
                                                                                          flush=True)):
             metrics = run(cfg, inputs, args.out) if d is None or d.main or args.stage not in ONE_PROCESS else {}

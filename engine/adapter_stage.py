@@ -15,14 +15,14 @@ from typing import Callable
 
 import torch
 
-from configs.schema import Config
-from data.pipeline import StageData
-from engine import dist
-from engine.fit import check_seq_len, consolidated, fit, setup
-from engine.router_stats import RouterHealth
-from model import Decoder, inject_lora
-from model.lora import cast_frozen_gemm_weights
-from model.adapters import save_adapter
+from glm_lora.configs.schema import Config
+from glm_lora.data.pipeline import StageData
+from glm_lora.engine import dist
+from glm_lora.engine.fit import check_seq_len, consolidated, fit, setup
+from glm_lora.engine.router_stats import RouterHealth
+from glm_lora.model import Decoder, inject_lora
+from glm_lora.model.lora import cast_frozen_gemm_weights
+from glm_lora.model.adapters import save_adapter
 
 log = logging.getLogger("glm_lora.adapter")
 

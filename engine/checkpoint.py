@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from artifacts import code_version, read_manifest, sha256_json
-from configs.errors import UserError
-from configs.schema import CheckpointConfig, Config, TrainConfig
-from engine.checkpoint_store import (BEST, DCP_DIR, FORMAT, FORMAT_SHARDED, MANIFEST, MODEL, OPTIMIZER, RANKS,
+from glm_lora.artifacts import code_version, read_manifest, sha256_json
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import CheckpointConfig, Config, TrainConfig
+from glm_lora.engine.checkpoint_store import (BEST, DCP_DIR, FORMAT, FORMAT_SHARDED, MANIFEST, MODEL, OPTIMIZER, RANKS,
                                      RNG, TRAINER_STATE, ZSTD_LEVEL, Checkpoint, CheckpointError, CheckpointManager,
                                      CheckpointUnusable, CorruptCheckpoint)
 
@@ -382,7 +382,7 @@ class Checkpointer:
         if c.dcp is not None:                # sharded files: into a sharded, replicated or plain model alike
             _load_dcp(model, opt if c.has_optimizer else None, c.dcp)
         elif self.sharded:                   # whole tensors (DDP / one process) into a sharded model
-            from engine.dist import load_full_state
+            from glm_lora.engine.dist import load_full_state
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             load_full_state(model, c.weights, from_rank0=False)
             if c.optimizer is not None:
@@ -448,7 +448,7 @@ class Checkpointer:
         """Keep the model's trainable weights as those of state.best_step (in memory, and in root/best/).
         Sharded: gathered whole into rank 0's memory (collective); the others keep none."""
         if self.sharded:
-            from engine.dist import full_state
+            from glm_lora.engine.dist import full_state
             weights = full_state(model, trainable_only=True)
             self._best = weights if self.main else None
         else:
@@ -466,7 +466,7 @@ class Checkpointer:
                              state.best_step)
             return
         if self.sharded:
-            from engine.dist import load_full_state
+            from glm_lora.engine.dist import load_full_state
             load_full_state(model, self._best if self.main else {}, from_rank0=True)
         else:
             _copy_into(model, self._best)

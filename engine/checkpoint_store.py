@@ -63,9 +63,9 @@ import safetensors.torch
 import torch
 import zstandard
 
-from artifacts import fsync, sha256_file, sha256_json, swap_into_place
-from artifacts.lock import pid_alive
-from configs.errors import UserError
+from glm_lora.artifacts import fsync, sha256_file, sha256_json, swap_into_place
+from glm_lora.artifacts.lock import pid_alive
+from glm_lora.configs.errors import UserError
 
 MODEL, OPTIMIZER, RNG, TRAINER_STATE, MANIFEST = (
     "model.safetensors", "optimizer.pt.zst", "rng.json", "trainer_state.json", "manifest.json")

@@ -1,8 +1,8 @@
 """More than one process per training stage: torchrun starts them, this module joins them up.
 
-    torchrun --nproc_per_node N [--nnodes M --node_rank R --rdzv-endpoint HOST:PORT] -m engine STAGE ...
+    torchrun --nproc_per_node N [--nnodes M --node_rank R --rdzv-endpoint HOST:PORT] -m glm_lora.engine STAGE ...
 
-Under torchrun (WORLD_SIZE in the environment) `python -m engine` calls `init()` — one process group
+Under torchrun (WORLD_SIZE in the environment) `python -m glm_lora.engine` calls `init()` — one process group
 (NCCL on CUDA with each rank on cuda:LOCAL_RANK and gloo beside it for CPU collectives; gloo on CPU) —
 runs the stage with `Runtime.dist` set, and `shutdown()`s. Without WORLD_SIZE nothing here runs and
 the stage is the plain one-process path. Only rank 0 logs, writes the stage's files and its metrics.
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from configs.errors import UserError
-from configs.schema import Config, derived_grad_accum
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config, derived_grad_accum
 
 log = logging.getLogger("glm_lora.dist")
 

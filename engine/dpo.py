@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs.schema import Config
-from engine.adapter_stage import train_adapter
-from engine.heldout import eval_preferences
-from engine.losses import PreferenceLoss
-from model.adapters import load_policy
+from glm_lora.configs.schema import Config
+from glm_lora.engine.adapter_stage import train_adapter
+from glm_lora.engine.heldout import eval_preferences
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model.adapters import load_policy
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:

@@ -26,17 +26,17 @@ import numpy as np
 import sacrebleu
 import torch
 
-from configs.errors import quote
-from data.cleaning import CleanReport
-from data.formats import MAX_LINE_BYTES, read_sft_rows
-from data.packing import PackedBatches, padded_batches
-from data.synthetic import check_answer
-from data.tokenize import cut_messages, dpo_examples, kto_examples, lm_examples, sft_examples
-from data.tokenizer import end_of_turn_ids
-from engine.losses import causal_lm_loss, group_logprobs
-from engine.trainer import to_device
-from model.lora import lora_disabled, lora_modules
-from model.model import KVCache
+from glm_lora.configs.errors import quote
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import MAX_LINE_BYTES, read_sft_rows
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.synthetic import check_answer
+from glm_lora.data.tokenize import cut_messages, dpo_examples, kto_examples, lm_examples, sft_examples
+from glm_lora.data.tokenizer import end_of_turn_ids
+from glm_lora.engine.losses import causal_lm_loss, group_logprobs
+from glm_lora.engine.trainer import to_device
+from glm_lora.model.lora import lora_disabled, lora_modules
+from glm_lora.model.model import KVCache
 
 ALL = "all"  # the family of rows without a "task" field
 SAMPLE_CHARS = 300  # prompt / reference / answer text kept per sample in the metrics

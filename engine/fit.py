@@ -15,15 +15,15 @@ from typing import Callable
 
 import torch
 
-from configs.errors import UserError
-from configs.schema import Config, TrainConfig
-from data.pipeline import StageData
-from engine import dist, progress
-from engine.checkpoint import Checkpointer
-from engine.compile import compiled_training
-from engine.heldout import validation_loss
-from engine.trainer import Runtime, train
-from model import DecoderConfig
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config, TrainConfig
+from glm_lora.data.pipeline import StageData
+from glm_lora.engine import dist, progress
+from glm_lora.engine.checkpoint import Checkpointer
+from glm_lora.engine.compile import compiled_training
+from glm_lora.engine.heldout import validation_loss
+from glm_lora.engine.trainer import Runtime, train
+from glm_lora.model import DecoderConfig
 
 METRICS, LOSSES = "metrics.jsonl", "losses.json"   # per-window metrics; the loss of every step
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Collection
 
-from configs import MISSING
+from glm_lora.configs import MISSING
 
 LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "rejected_match_rate")
 _MISSING = MISSING    # the one "no such key" sentinel (configs.get_dotted)

@@ -12,15 +12,15 @@ from typing import Callable
 
 import torch
 
-from configs.schema import Config, TrainConfig
-from data import formats
-from data.cleaning import CleanReport
-from data.packing import PackedBatches
-from data.pipeline import StageData
-from data.prepare import split_path, split_provenance
-from engine import evaluate
-from engine.trainer import Runtime, to_device
-from model import lora_disabled
+from glm_lora.configs.schema import Config, TrainConfig
+from glm_lora.data import formats
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.packing import PackedBatches
+from glm_lora.data.pipeline import StageData
+from glm_lora.data.prepare import split_path, split_provenance
+from glm_lora.engine import evaluate
+from glm_lora.engine.trainer import Runtime, to_device
+from glm_lora.model import lora_disabled
 
 log = logging.getLogger("glm_lora.heldout")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs.schema import Config
-from model.hf import load_hf, save_native
+from glm_lora.configs.schema import Config
+from glm_lora.model.hf import load_hf, save_native
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
-from data.packing import IGNORE
-from model.lora import lora_disabled
+from glm_lora import kernels
+from glm_lora.data.packing import IGNORE
+from glm_lora.model.lora import lora_disabled
 
 
 def _shifted(model, batch):

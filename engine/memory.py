@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from configs.schema import LoRAConfig, TrainConfig
-from model.lora import LoRALinear, inject_lora
-from model.model import Decoder, DecoderConfig, Experts
+from glm_lora.configs.schema import LoRAConfig, TrainConfig
+from glm_lora.model.lora import LoRALinear, inject_lora
+from glm_lora.model.model import Decoder, DecoderConfig, Experts
 
 GiB = 2**30
 

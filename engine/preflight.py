@@ -13,17 +13,17 @@ import logging
 
 import torch
 
-from configs.errors import UserError
-from configs.schema import Config
-from engine import dist
-from engine.memory import GiB, describe, lora_memory
-from data import formats
-from data.cleaning import CleanReport
-from data.prepare import base_tokenizer_files, check_user_paths
-from data.tokenizer import load_tokenizer
-from model.hf import check_tokenizer_fits, check_weights, read_hf_config
-from model.lora import check_lora
-from model.model import DecoderConfig
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config
+from glm_lora.engine import dist
+from glm_lora.engine.memory import GiB, describe, lora_memory
+from glm_lora.data import formats
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
+from glm_lora.data.tokenizer import load_tokenizer
+from glm_lora.model.hf import check_tokenizer_fits, check_weights, read_hf_config
+from glm_lora.model.lora import check_lora
+from glm_lora.model.model import DecoderConfig
 
 log = logging.getLogger("glm_lora.preflight")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from configs.schema import Config
-from data.pipeline import StageData
-from engine.fit import check_seq_len, consolidated, decoder_config, fit, setup
-from engine.heldout import eval_lm
-from engine.losses import causal_lm_loss
-from model import Decoder
-from model.hf import save_native
+from glm_lora.configs.schema import Config
+from glm_lora.data.pipeline import StageData
+from glm_lora.engine.fit import check_seq_len, consolidated, decoder_config, fit, setup
+from glm_lora.engine.heldout import eval_lm
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model import Decoder
+from glm_lora.model.hf import save_native
 
 log = logging.getLogger("glm_lora.pretrain")
 

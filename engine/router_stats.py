@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from model.model import Router
+from glm_lora.model.model import Router
 
 log = logging.getLogger("glm_lora.router")
 

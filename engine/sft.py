@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs.schema import Config
-from engine.adapter_stage import train_adapter
-from engine.heldout import eval_tasks
-from engine.losses import causal_lm_loss
-from model.hf import load_native
+from glm_lora.configs.schema import Config
+from glm_lora.engine.adapter_stage import train_adapter
+from glm_lora.engine.heldout import eval_tasks
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.hf import load_native
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:

@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from configs.errors import UserError
-from configs.schema import TrainConfig
-from engine.checkpoint import Checkpointer, TrainState
-from engine.dist import injected_failure
-from engine.optim import build_optimizer, lr_at
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import TrainConfig
+from glm_lora.engine.checkpoint import Checkpointer, TrainState
+from glm_lora.engine.dist import injected_failure
+from glm_lora.engine.optim import build_optimizer, lr_at
 
 log = logging.getLogger("glm_lora.engine")
 

@@ -48,15 +48,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from artifacts import read_manifest
-from configs.schema import Config, LoRAConfig
-from data.prepare import SOURCES, TOKENIZER_FILES
-from data.tokenizer import end_of_turn_ids, load_tokenizer
-from engine import evaluate
-from export.model_card import write_model_card
-from model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX, load_policy,
+from glm_lora.artifacts import MANIFEST, atomic_write_text, content_digest, file_entry, read_manifest
+from glm_lora.configs.schema import Config, LoRAConfig
+from glm_lora.data.prepare import SOURCES, TOKENIZER_FILES
+from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer
+from glm_lora.engine import evaluate
+from glm_lora.export.model_card import write_model_card
+from glm_lora.model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX, load_policy,
                             read_adapter, served_form, vllm_unservable)
-from model.hf import save_hf
+from glm_lora.model.hf import save_hf
 
 COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,12 +181,17 @@ def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
-    """The export stage (tasks/table.py)."""
-    return export(cfg, inputs["base"], inputs["sft"], inputs["dpo"], inputs["tokenizer"], out_dir)
+    """The export stage (tasks/table.py): built in `out_dir` (a staging directory), published as the run's export."""
+    return export(cfg, inputs["base"], inputs["sft"], inputs["dpo"], inputs["tokenizer"], out_dir,
+                  published_as=cfg.stage_dir("export"))
 
 
-def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_dir: Path, out_dir: Path) -> dict:
+def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_dir: Path, out_dir: Path,
+           published_as: Path | None = None) -> dict:
+    """Write the export into `out_dir`; the adapters name their bases by absolute path under `published_as` (where
+    out_dir ends up; default out_dir itself), so PEFT's one-liners load them from any working directory."""
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    home = Path(published_as or out_dir).resolve()
     tok = load_tokenizer(tokenizer_dir)
     dtype = DTYPES[cfg.serve.dtype]
     models = {"pretrain": load_policy(base_dir), "sft": load_policy(base_dir, sft_dir),
@@ -197,15 +202,36 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
         (out_dir / COMPARE).write_text(compare_report(models, tok, cfg.eval.compare_prompts, cfg.eval.max_new_tokens))
     arch = models["pretrain"].config.arch
     moe = models["pretrain"].config.layout.moe
-    split = write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", "../../base",
+    split = write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", str(home / "base"),
                                vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
-    write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", "../../sft_merged",
+    write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", str(home / "sft_merged"),
                        vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
     evals = collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)
     _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), split)
     return {"dtype": cfg.serve.dtype, "architecture": arch,
             "adapters": {n: served_form(out_dir, f"adapters/{n}", moe) for n in ("sft", "dpo")}, "eval": evals}
 
+
+
+def relocate(export_dir: Path) -> dict[str, str]:
+    """A copied (moved, unpacked) export: point every adapter's base_model_name_or_path at this copy's own base
+    directory, and record the new files in its manifest (digest included). Returns adapter → new base path."""
+    export_dir = Path(export_dir).resolve()
+    manifest, changed = read_manifest(export_dir), {}
+    for config in sorted((export_dir / "adapters").glob(f"*/{PEFT_CONFIG}")):
+        peft = json.loads(config.read_text())
+        base = export_dir / Path(peft["base_model_name_or_path"]).name          # base / sft_merged
+        if not (base / "config.json").is_file():
+            raise FileNotFoundError(f"{config}: its base {base} is not in this export")
+        if peft["base_model_name_or_path"] != str(base):
+            peft["base_model_name_or_path"] = str(base)
+            atomic_write_text(config, json.dumps(peft, indent=2))
+            manifest["files"][config.relative_to(export_dir).as_posix()] = file_entry(config)
+            changed[str(config.parent.relative_to(export_dir))] = str(base)
+    if changed:
+        manifest["digest"] = content_digest(manifest["files"])
+        atomic_write_text(export_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    return changed
 
 
 def _datasets(stage_dir: Path) -> list[str]:

@@ -32,7 +32,7 @@ def _metric_names(metrics: dict) -> list[str]:
 def write_model_card(out_dir: Path, *, title: str, what: str, base_model: str | None, adapter: bool,
                      architecture: str, run_name: str, metrics: dict, datasets: list[str],
                      served_as: str | None = None) -> None:
-    """`base_model`: the path of this directory's base relative to it (adapters, merged models), or None.
+    """`base_model`: the path of this directory's base (adapters, merged models), or None.
     `served_as`: how the glm-lora server (serve/deploy.py) serves this directory, if it does."""
     data = ModelCardData(base_model=base_model, library_name="peft" if adapter else "transformers",
                          tags=TAGS + (["lora", "peft"] if adapter else [architecture]),
@@ -41,15 +41,15 @@ def write_model_card(out_dir: Path, *, title: str, what: str, base_model: str | 
     here = Path(out_dir).name
     if adapter:
         load = f"""```python
-from pathlib import Path
-from peft import PeftConfig, PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
 
-adapter = Path("{here}")                       # this directory
-base_dir = adapter / PeftConfig.from_pretrained(adapter).base_model_name_or_path   # relative to the adapter
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter)
-tokenizer = AutoTokenizer.from_pretrained(base_dir)
+model = AutoPeftModelForCausalLM.from_pretrained("path/to/{here}")   # its base: base_model_name_or_path
+tokenizer = AutoTokenizer.from_pretrained(model.peft_config["default"].base_model_name_or_path)
 ```
+
+adapter_config.json names the base by absolute path, where glm-lora published this export. A copy of the export
+elsewhere: `glm-lora relocate <the copied export directory>` points it at the copy's own base first.
 
 vLLM: `vllm serve <base_dir> --enable-lora --lora-modules {run_name}-{here}=<absolute path of this directory>
 --max-lora-rank <r or more>`; for GLM-4-0414 (Glm4ForCausalLM) pass the `-vllm` sibling of an adapter
@@ -73,7 +73,7 @@ vLLM: `vllm serve {here} --served-model-name {run_name}`."""
 # {title}
 
 {what} ({architecture}), exported by glm-lora run `{run_name}`.
-{f"Base model: `{base_model}` (relative to this directory)." if base_model else ""}
+{f"Base model: `{base_model}` (in this export)." if base_model else ""}
 
 ## Load it
 

@@ -1,7 +1,7 @@
 """Print the answer of the most recent promotion (serve stage or `serve promote`) and what the endpoint serves.
 
 Looks in every deployment this machine lists (serve/deploy.py's index: any runs_dir) and in RUNS_DIR
-(default runs/); `python -m flows.answer [RUNS_DIR]`.
+(default runs/); `python -m glm_lora.flows.answer [RUNS_DIR]`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def main(runs_dir: str = "runs") -> int:
-    from serve.deploy import ANSWER, indexed
+    from glm_lora.serve.deploy import ANSWER, indexed
 
     answers = [*Path(runs_dir).glob("*/serve/answer.json"), *Path(runs_dir).glob(f"*/serving/{ANSWER}"),
                *(root / ANSWER for root in indexed() if (root / ANSWER).is_file())]

@@ -1,10 +1,11 @@
-"""Command line: `python -m flows.cli run` runs the whole flow in-process (Prefect, no deployment);
-`python -m flows.cli status` says, per stage, whether the next run reuses it and if not, why;
-`python -m flows.cli stage NAME` runs one stage's plain function without Prefect, reading its
+"""Command line: `python -m glm_lora.flows.cli run` runs the whole flow in-process (Prefect, no deployment);
+`python -m glm_lora.flows.cli status` says, per stage, whether the next run reuses it and if not, why;
+`python -m glm_lora.flows.cli stage NAME` runs one stage's plain function without Prefect, reading its
 inputs from the run directory (the stage table, tasks/table.py, says which) — for debugging; it
-imports no Prefect. `python -m flows.cli serve status|stop|promote` manages the configured run's served
+imports no Prefect. `python -m glm_lora.flows.cli serve status|stop|promote` manages the configured run's served
 endpoint (serve/deploy.py): `promote --export DIR` (or `--previous`) puts an export on it through the
-blue/green path, e.g. to go back to yesterday's model.
+blue/green path, e.g. to go back to yesterday's model. `relocate EXPORT_DIR` points a copied export's adapters at the
+copy's own base models (they name their bases by absolute path, so PEFT's one-liners load them from anywhere).
 
 Overrides use dotted keys: `--set sft.max_steps=50 --set sft.lora.r=32`.
 """
@@ -16,12 +17,12 @@ import logging
 import sys
 from pathlib import Path
 
-import artifacts
-from artifacts.lock import run_lock
-from configs import ConfigError, load_config, parse_value
-from configs.errors import UserError
-from engine import progress
-from tasks.table import STAGES
+from glm_lora import artifacts
+from glm_lora.artifacts.lock import run_lock
+from glm_lora.configs import ConfigError, load_config, parse_value
+from glm_lora.configs.errors import UserError
+from glm_lora.engine import progress
+from glm_lora.tasks.table import STAGES
 
 def _overrides(pairs: list[str]) -> dict:
     out = {}
@@ -36,15 +37,15 @@ def _overrides(pairs: list[str]) -> dict:
 def run_one_stage(stage: str, cfg, force: bool = True) -> artifacts.ArtifactRef:
     """Build one stage from its inputs in the run directory, without Prefect (the stage table says
     which); the artifact carries the same cache key the flow would give it, so the flow reuses it."""
-    from tasks.cache import build_stage
-    from tasks.table import upstream
+    from glm_lora.tasks.cache import build_stage
+    from glm_lora.tasks.table import upstream
 
     inputs = {}
     for key, name in upstream(stage, cfg).items():
         d = cfg.stage_dir(name)
         if not artifacts.is_complete(d):
             raise UserError(f"stage {stage} needs the {name} stage's output, and {d} is missing or incomplete; "
-                            f"run `python -m flows.cli stage {name}` (or the whole flow) first")
+                            f"run `python -m glm_lora.flows.cli stage {name}` (or the whole flow) first")
         inputs[key] = artifacts.ref_for(d).to_dict()
     return build_stage(stage, cfg, inputs, force=force)[0]
 
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
         if name == "run":
             p.add_argument("--refresh", action="append", default=[], metavar="STAGE", help="rebuild this stage")
+    p = sub.add_parser("relocate", help="a copied export: point its adapters at the copy's own base models")
+    p.add_argument("export_dir", type=Path)
     p = sub.add_parser("serve", help="the served endpoint of the configured run: status | stop | promote")
     p.add_argument("action", choices=["status", "stop", "promote"])
     p.add_argument("--config", default="tiny", help="preset name (configs/*.yaml) or a path to a YAML file")
@@ -104,14 +107,19 @@ def _user_error(e: BaseException | str) -> int:
 
 
 def _run(args) -> int:
-    from engine.preflight import preflight
+    from glm_lora.engine.preflight import preflight
+
+    if args.cmd == "relocate":
+        from glm_lora.export import relocate
+        print(json.dumps(relocate(args.export_dir), indent=2))
+        return 0
 
     overrides = _overrides(args.set)
     cfg = load_config(args.config, overrides)
     if args.cmd == "serve":
         return _serve(args, cfg)
     if args.cmd == "status":
-        from tasks.cache import status
+        from glm_lora.tasks.cache import status
         for stage, why in status(cfg):
             print(f"{stage:12s} {'cached' if not why else 'runs: ' + '; '.join(why)}")
         return 0
@@ -121,8 +129,8 @@ def _run(args) -> int:
             ref = run_one_stage(args.name, cfg)
         print(json.dumps({**ref.to_dict(), "metrics": ref.manifest()["metrics"]}, indent=2, ensure_ascii=False))
         return 0
-    from flows.glm_lora import glm_lora
-    from tasks.stages import is_user_error
+    from glm_lora.flows.glm_lora import glm_lora
+    from glm_lora.tasks.stages import is_user_error
     state = glm_lora(config=args.config, overrides=overrides, refresh=args.refresh, return_state=True)
     if state.is_failed():
         return _user_error(state.message) if is_user_error(state) else 1   # a bug: Prefect logged its traceback
@@ -132,7 +140,7 @@ def _run(args) -> int:
 
 def _serve(args, cfg) -> int:
     """`serve status|stop|promote`: the deployment in the configured run directory (serve/deploy.py); no Prefect."""
-    from serve import deploy
+    from glm_lora.serve import deploy
 
     dep = deploy.Deployment.of(cfg)
     if args.action == "status":
@@ -149,7 +157,7 @@ def _serve(args, cfg) -> int:
         return 0
     if bool(args.export) == bool(args.previous):
         raise UserError("serve promote: give one of --export DIR and --previous")
-    from serve.stage import promote_export
+    from glm_lora.serve.stage import promote_export
     export = deploy.previous_export(dep) if args.previous else Path(args.export)
     result = promote_export(cfg, export, allow_regression=args.allow_regression or args.previous)
     print(json.dumps(result, indent=2, ensure_ascii=False))

@@ -11,15 +11,15 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
 from prefect.states import Failed
 
-from artifacts import read_manifest
-from artifacts.lock import run_lock
-from configs import ConfigError, load_config
-from configs.errors import UserError
-from configs.schema import Config
-from engine.preflight import preflight
-from serve.stage import serving_notes
-from tasks.stages import TASKS
-from tasks.table import STAGES, chain, upstream
+from glm_lora.artifacts import read_manifest
+from glm_lora.artifacts.lock import run_lock
+from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config
+from glm_lora.engine.preflight import preflight
+from glm_lora.serve.stage import serving_notes
+from glm_lora.tasks.stages import TASKS
+from glm_lora.tasks.table import STAGES, chain, upstream
 
 
 class StageFailed(UserError):

@@ -12,8 +12,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Failed
 
-from configs import load_config
-from configs.errors import UserError
+from glm_lora.configs import load_config
+from glm_lora.configs.errors import UserError
 
 
 @flow(name="glm-lora-serve")
@@ -21,7 +21,7 @@ def serve_export(export: str, config: str = "tiny", overrides: dict[str, Any] | 
                  allow_regression: bool = False):
     """Verify `export` (its manifest), then start it beside the served model, smoke-test it, gate it and
     switch the endpoint to it; any failure leaves the served model answering."""
-    from serve.stage import promote_export
+    from glm_lora.serve.stage import promote_export
     try:
         cfg = load_config(config, overrides)
         return promote_export(cfg, Path(export), allow_regression=allow_regression)

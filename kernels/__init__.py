@@ -46,7 +46,7 @@ from typing import Iterator
 
 import torch
 
-from kernels import moe, qlora, reference
+from glm_lora.kernels import moe, qlora, reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
@@ -83,7 +83,7 @@ def using(backend: str, attention: str = "auto") -> Iterator[None]:
 
 @functools.cache
 def _triton_op(name: str):
-    return getattr(importlib.import_module(f"kernels.{_MODULES[name]}"), name)
+    return getattr(importlib.import_module(f"glm_lora.kernels.{_MODULES[name]}"), name)
 
 
 def _impl(name: str, t: torch.Tensor, fused_pays: bool = True):
@@ -141,20 +141,20 @@ GROUPED_LORA_MM_AUTO = "triton"
 def _grouped_torch(choice: str, x, w) -> bool:
     if _BACKEND != "auto" or choice != "torch" or not x.is_cuda:
         return False
-    return importlib.import_module("kernels.triton_grouped_mm").torch_grouped_mm_supported(x, w)
+    return importlib.import_module("glm_lora.kernels.triton_grouped_mm").torch_grouped_mm_supported(x, w)
 
 
 def grouped_mm(x, w, offsets):
     """y[rows_g] = x[rows_g] · w[g]ᵀ, x (M, K) sorted by group, w (G, N, K), offsets (G,) int32 cumulative ends."""
     if _grouped_torch(GROUPED_MM_AUTO, x, w):
-        return importlib.import_module("kernels.triton_grouped_mm").torch_grouped_mm(x, w, offsets)
+        return importlib.import_module("glm_lora.kernels.triton_grouped_mm").torch_grouped_mm(x, w, offsets)
     return _impl("grouped_mm", x)(x, w, offsets)
 
 
 def grouped_lora_mm(x, w, a, b, scale, offsets):
     """grouped_mm(x, w) + scale · grouped_mm(grouped_mm(x, a), b), per-group LoRA a (G, r, K), b (G, N, r)."""
     if _grouped_torch(GROUPED_LORA_MM_AUTO, x, w) and a.shape[1] % 8 == 0:
-        return importlib.import_module("kernels.triton_grouped_mm").torch_grouped_lora_mm(x, w, a, b, scale, offsets)
+        return importlib.import_module("glm_lora.kernels.triton_grouped_mm").torch_grouped_lora_mm(x, w, a, b, scale, offsets)
     return _impl("grouped_lora_mm", x)(x, w, a, b, scale, offsets)
 
 
@@ -195,7 +195,7 @@ class AutoDocumentMask:
     def resolve(self, q: torch.Tensor):
         if self.mask is None:
             if flex_pays(q.shape[1], q.shape[-1]):
-                from kernels import flex
+                from glm_lora.kernels import flex
                 self.mask = flex.document_block_mask(self.doc_ids)
             else:
                 self.mask = reference.document_causal_mask(self.doc_ids)
@@ -208,7 +208,7 @@ def document_causal_mask(doc_ids: torch.Tensor):
     if not doc_ids.is_cuda or _ATTENTION == "sdpa":
         return reference.document_causal_mask(doc_ids)
     if _ATTENTION == "flex":
-        from kernels import flex
+        from glm_lora.kernels import flex
         return flex.document_block_mask(doc_ids)
     return AutoDocumentMask(doc_ids)
 
@@ -217,6 +217,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
     if isinstance(mask, AutoDocumentMask):
         mask = mask.resolve(q)
     if mask is not None and not isinstance(mask, torch.Tensor):
-        from kernels import flex
+        from glm_lora.kernels import flex
         return flex.attention(q, k, v, mask)
     return reference.attention(q, k, v, mask)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import scaled_mm
+from glm_lora.kernels.reference import scaled_mm
 
 
 class NF4LoRALinearFunction(torch.autograd.Function):

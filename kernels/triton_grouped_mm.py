@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_grouped
+from glm_lora.kernels.reference import check_grouped
 
 # jit functions are bound to the interpreter at import time, so decide once, here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import scaled_mm
-from kernels.triton_lora_gemm import MAX_RANK, lora_gemm
+from glm_lora.kernels.reference import scaled_mm
+from glm_lora.kernels.triton_lora_gemm import MAX_RANK, lora_gemm
 
 # jit functions are bound to the interpreter at import time, so decide once, here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import NESTED_BLOCK, NF4_BLOCK
+from glm_lora.kernels.reference import NESTED_BLOCK, NF4_BLOCK
 
 BLOCK = 1024       # packed bytes per program
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from configs.schema import LoRAConfig
-from model.hf import load_native
-from model.lora import inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
-from model.model import Decoder
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model.hf import load_native
+from glm_lora.model.lora import inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
+from glm_lora.model.model import Decoder
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter.safetensors", "adapter.json"
 

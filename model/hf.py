@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from configs.errors import UserError, quote
-from model.model import LAYOUTS, Decoder, DecoderConfig
+from glm_lora.configs.errors import UserError, quote
+from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig
 
 
 class BaseModelError(UserError, ValueError):

@@ -28,13 +28,13 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-import kernels
-from configs.errors import UserError
-from configs.schema import ALL_LINEAR, LoRAConfig     # "all-linear": PEFT's term for every linear projection
-from kernels.moe import ExpertLoRA
-from kernels.reference import NF4_BLOCK
-from model.model import Experts
-from model.quant import NF4Weight, quantize_nf4
+from glm_lora import kernels
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import ALL_LINEAR, LoRAConfig     # "all-linear": PEFT's term for every linear projection
+from glm_lora.kernels.moe import ExpertLoRA
+from glm_lora.kernels.reference import NF4_BLOCK
+from glm_lora.model.model import Experts
+from glm_lora.model.quant import NF4Weight, quantize_nf4
 
 
 class LoRAConfigError(UserError, ValueError):
@@ -247,7 +247,7 @@ def _plan(model: nn.Module, lora: LoRAConfig, section: str = "lora") -> tuple[li
 def check_lora(cfg, lora: LoRAConfig, section: str) -> None:
     """Before any training (engine/preflight.py): what inject_lora would refuse for a model of DecoderConfig
     `cfg`, refused now, naming `<section>.<key>` — built on the meta device (shapes only, no memory)."""
-    from model.model import Decoder
+    from glm_lora.model.model import Decoder
     with torch.device("meta"):
         _plan(Decoder(cfg), lora, section)
 

@@ -18,9 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import kernels
-
-
+from glm_lora import kernels
 @dataclass(frozen=True)
 class Layout:
     """What one HF architecture's decoder layer has (names as in its transformers modeling file)."""

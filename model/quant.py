@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import kernels
-from kernels.reference import NESTED_BLOCK, NF4_BLOCK
+from glm_lora import kernels
+from glm_lora.kernels.reference import NESTED_BLOCK, NF4_BLOCK
 
 # bitsandbytes' get_4bit_type("nf4"): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,

@@ -39,5 +39,5 @@ prefect deployment run glm-lora/full --watch "$@" 2>&1 | tee "$events" | awk '
       split(substr($0, RSTART, RLENGTH), f, /[. *]+/); printf "[run] %-10s %s\n", f[4], f[3]; fflush() } }
   /Flow run finished/ { print "[run] " $0; fflush() }'
 echo "[run] every event of the run: $events"
-python -m flows.answer
+python -m glm_lora.flows.answer
 echo "[run] total $(( $(date +%s) - t0 )) s"

@@ -7,10 +7,10 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 source scripts/env.sh
 if [ $# -gt 0 ]; then
-  python -m flows.cli serve stop "$@"
+  python -m glm_lora.flows.cli serve stop "$@"
   exit $?
 fi
-python -m flows.cli serve stop --all
+python -m glm_lora.flows.cli serve stop --all
 stop_pid() {  # TERM, then KILL after 10 s
   local pid=$1
   kill -0 "$pid" 2>/dev/null || return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from flows.local_server import local_prefect_server  # noqa: E402
+from glm_lora.flows.local_server import local_prefect_server  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 SHORT = {"pretrain.max_steps": 30, "sft.max_steps": 60, "dpo.max_steps": 10, "sft.eval_every": 20,
@@ -29,7 +29,7 @@ SHORT = {"pretrain.max_steps": 30, "sft.max_steps": 60, "dpo.max_steps": 10, "sf
          "data.synthetic.n_dpo": 200, "serve.enabled": False}
 FLOW = """
 import json, sys
-from flows.glm_lora import glm_lora
+from glm_lora.flows.glm_lora import glm_lora
 state = glm_lora(config="tiny", overrides=json.loads(sys.argv[1]), return_state=True)
 print("FLOW_RUN", state.state_details.flow_run_id, state.name)
 """

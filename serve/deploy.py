@@ -23,7 +23,7 @@ answering and the caller gets the reason. An unchanged export (same digest, same
 keeps the live server: it is only smoke-tested again, through the endpoint.
 
 A killed promotion (kill -9 of the stage) is settled by a watchdog started beside each candidate
-(`python -m serve.watchdog`): it blocks on a pipe only the promoting process holds; when the pipe closes
+(`python -m glm_lora.serve.watchdog`): it blocks on a pipe only the promoting process holds; when the pipe closes
 without the promotion's "done" and that process is gone, it takes the lock and undoes what the promotion
 left (nginx back on the active server, the candidate stopped, the record cleaned). Every later command settles such leftovers as well
 (in case the watchdog died too): whoever holds the lock is the only promotion running.
@@ -48,13 +48,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifacts import MANIFEST, REPO, atomic_write_text, code_version, read_manifest, sha256_json, verify
-from artifacts.lock import take_flock
-from configs.errors import UserError
-from engine.gate import GateResult, promotion_gate
-from model.adapters import PEFT_CONFIG, served_form
-from serve import proxy
-from serve import vllm_server as vs
+from glm_lora.artifacts import MANIFEST, REPO, atomic_write_text, code_version, read_manifest, sha256_json, verify
+from glm_lora.artifacts.lock import take_flock
+from glm_lora.configs.errors import UserError
+from glm_lora.engine.gate import GateResult, promotion_gate
+from glm_lora.model.adapters import PEFT_CONFIG, served_form
+from glm_lora.serve import proxy
+from glm_lora.serve import vllm_server as vs
 
 log = logging.getLogger("glm_lora.serve")
 SERVING, RECORD, LOCK, ANSWER = "serving", "server.json", ".lock", "answer.json"
@@ -334,7 +334,7 @@ WATCHDOG_DONE = b"done\n"    # written by a promotion that ended in its process;
 def _watchdog(dep: Deployment, owner: dict) -> subprocess.Popen:
     dep.logs.mkdir(parents=True, exist_ok=True)
     with open(dep.logs / "watchdog.log", "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "serve.watchdog", str(dep.root), dep.host, str(dep.port),
+        return subprocess.Popen([sys.executable, "-m", "glm_lora.serve.watchdog", str(dep.root), dep.host, str(dep.port),
                                  str(owner["pid"]), owner["start"]],
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
                                 start_new_session=True)
@@ -403,7 +403,7 @@ def _check_endpoint_unmoved(rec: dict, sc) -> None:
     """A running endpoint stays where it is: moving it to another host:port takes a stop first."""
     if rec["proxy"] and (rec["host"], rec["port"]) != (sc.host, sc.port):
         raise UserError(f"this deployment's endpoint is {rec['host']}:{rec['port']}, the config says "
-                        f"{sc.host}:{sc.port}: stop it first (`python -m flows.cli serve stop`) to move it")
+                        f"{sc.host}:{sc.port}: stop it first (`python -m glm_lora.flows.cli serve stop`) to move it")
 
 
 def _gated(cfg, dep: Deployment, rec: dict, export_dir: Path, *, key: str | None, key_source: str | None,
@@ -449,7 +449,7 @@ def _live_server_is_current(p: _Promotion) -> bool:
 
 def _retest_live_server(p: _Promotion) -> dict:
     """An unchanged export keeps the live server: it is only smoke-tested again, through the endpoint."""
-    from serve import smoke
+    from glm_lora.serve import smoke
 
     active = p.rec["active"]
     checks = smoke.smoke_test(p.dep.url, active["plan"], active["reference"], messages=p.messages,
@@ -464,7 +464,7 @@ def _promote_candidate(p: _Promotion, switch: bool) -> dict:
     A failure before the record names the candidate active settles the deployment (nginx back on the old
     server, the candidate stopped): the old model keeps answering. switch=False: the tested candidate is
     stopped instead of switched to."""
-    from serve import smoke
+    from glm_lora.serve import smoke
 
     snap = _snapshot(p.dep, p.export_dir, p.digest)
     refs = smoke.references(snap, p.plan, p.messages, p.sc.max_tokens)
@@ -542,7 +542,7 @@ def _stop_retiring(dep: Deployment, rec: dict, drain_s: float) -> None:
 
 def _still_serving(dep: Deployment, rec: dict, key: str | None, sc) -> bool:
     """The active server answers through the endpoint with exactly this key (nginx restarted if it died)."""
-    from serve.smoke import _call
+    from glm_lora.serve.smoke import _call
 
     if not rec["proxy"]:
         if vs.port_in_use("127.0.0.1" if sc.host == "0.0.0.0" else sc.host, sc.port):
@@ -559,7 +559,7 @@ def _still_serving(dep: Deployment, rec: dict, key: str | None, sc) -> bool:
 
 def _switch(dep: Deployment, rec: dict, sc, cand: dict, checks: dict, key: str | None, legacy: dict | None) -> None:
     """Point the endpoint at the candidate and confirm it answers there; then record it as active."""
-    from serve.smoke import SmokeTestFailed, ask
+    from glm_lora.serve.smoke import SmokeTestFailed, ask
 
     gen = proxy.conf_generation(dep.nginx) + 1
     proxy.write_conf(dep.nginx, host=sc.host, port=sc.port, backend_port=cand["port"], generation=gen,
@@ -633,7 +633,7 @@ def _finish(dep: Deployment, cfg, entry: dict, checks: dict, gate, key_source, *
 
 def status(dep: Deployment) -> dict:
     """The record with what is alive now (read-only: no lock, nothing settled)."""
-    from serve.smoke import _call
+    from glm_lora.serve.smoke import _call
 
     rec = read_record(dep)
     proxy_up = bool(rec["proxy"]) and proxy.is_ours(rec["proxy"]["pid"], dep.nginx)

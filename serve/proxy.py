@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from configs.errors import UserError
+from glm_lora.configs.errors import UserError
 
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 GENERATION_HEADER = "X-Glm-Lora-Generation"

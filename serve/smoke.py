@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from configs.errors import UserError
-from data.tokenizer import end_of_turn_ids, load_tokenizer
-from engine.evaluate import greedy_decode
-from model.hf import load_hf
+from glm_lora.configs.errors import UserError
+from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer
+from glm_lora.engine.evaluate import greedy_decode
+from glm_lora.model.hf import load_hf
 
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 ADAPTER_EFFECT = 1e-6       # an adapter whose answer's log-probs move less than this (same ids) does nothing

@@ -13,9 +13,9 @@ import logging
 import os
 from pathlib import Path
 
-from configs.errors import UserError
-from configs.schema import Config, ServeConfig
-from serve.deploy import RECORD, GateFailed, promote
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config, ServeConfig
+from glm_lora.serve.deploy import RECORD, GateFailed, promote
 
 __all__ = ["GateFailed", "api_key", "promote_export", "run", "serve", "serving_notes"]   # GateFailed: the stage's gate error
 log = logging.getLogger("glm_lora.serve")
@@ -46,9 +46,9 @@ def serving_notes(cfg: Config) -> list[str]:
     first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs."""
     if not (cfg.serve.enabled and cfg.serve.adapters and cfg.base_model):
         return []
-    from model.hf import read_hf_config
-    from serve.deploy import CPU_MOE_LORA
-    from serve.vllm_server import vllm_device
+    from glm_lora.model.hf import read_hf_config
+    from glm_lora.serve.deploy import CPU_MOE_LORA
+    from glm_lora.serve.vllm_server import vllm_device
     if read_hf_config(cfg.base_model).layout.moe and vllm_device() == "cpu":
         return [f"serve.adapters: the SFT and DPO adapters will not be served as LoRAs: {CPU_MOE_LORA} "
                 f"(as `{cfg.run_name}`)"]
@@ -74,6 +74,6 @@ def serve(cfg: Config, export_dir: Path, out_dir: Path, allow_regression: bool =
 
 def promote_export(cfg: Config, export_dir: Path, allow_regression: bool = False) -> dict:
     """Promote any verified export (a run's export/, or a snapshot kept in serving/exports/) through the same
-    blue/green path: `python -m flows.cli serve promote` and the Prefect deployment `glm-lora-serve/serve`."""
+    blue/green path: `python -m glm_lora.flows.cli serve promote` and the Prefect deployment `glm-lora-serve/serve`."""
     key, key_source = api_key(cfg.serve)
     return promote(cfg, Path(export_dir), key=key, key_source=key_source, allow_regression=allow_regression)

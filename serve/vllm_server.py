@@ -24,8 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifacts.lock import pid_alive
-from configs.errors import UserError
+from glm_lora.artifacts.lock import pid_alive
+from glm_lora.configs.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route localhost via a proxy

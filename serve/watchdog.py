@@ -1,4 +1,4 @@
-"""`python -m serve.watchdog SERVING_DIR HOST PORT PID START`: started beside each candidate server by serve/deploy.py
+"""`python -m glm_lora.serve.watchdog SERVING_DIR HOST PORT PID START`: started beside each candidate server by serve/deploy.py
 for the promoting process (PID, with its start time, so a reused pid is not mistaken for it). Its stdin is a
 pipe whose other end only that process holds. A promotion that ends in its process (success or a handled
 failure: it cleaned up after itself) writes DONE down the pipe before closing it: the watchdog just exits.
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from serve import deploy
+from glm_lora.serve import deploy
 
 
 def main(argv: list[str]) -> int:

@@ -13,14 +13,14 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
-import artifacts
-import kernels
-from artifacts import code_version, is_complete, read_manifest, sha256_json, sha256_path
-from configs import get_dotted
-from configs.schema import Config
-from engine.dist import world_size
-from tasks.launch import torchrun_stage
-from tasks.table import DISTRIBUTED, STAGES, chain, upstream
+from glm_lora import artifacts
+from glm_lora import kernels
+from glm_lora.artifacts import code_version, is_complete, read_manifest, sha256_json, sha256_path
+from glm_lora.configs import get_dotted
+from glm_lora.configs.schema import Config
+from glm_lora.engine.dist import world_size
+from glm_lora.tasks.launch import torchrun_stage
+from glm_lora.tasks.table import DISTRIBUTED, STAGES, chain, upstream
 
 
 def _user_paths(node: Any) -> list[str]:
@@ -133,7 +133,7 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
 
 def status(cfg: Config) -> list[tuple[str, list[str]]]:
     """Per stage of a run of `cfg`: [] if it would be reused as published, else why it would run —
-    what `python -m flows.cli status` prints (the stage logs the same reasons when it runs)."""
+    what `python -m glm_lora.flows.cli status` prints (the stage logs the same reasons when it runs)."""
     published: dict[str, dict] = {}
     stale: set[str] = set()
     report = []

@@ -1,6 +1,6 @@
 """Run a training stage on several processes with PyTorch's own launcher, torchrun.
 
-`torchrun_stage(name, cfg, inputs, out_dir, log)` starts `torchrun ... -m engine NAME` (engine/__main__.py)
+`torchrun_stage(name, cfg, inputs, out_dir, log)` starts `torchrun ... -m glm_lora.engine NAME` (engine/__main__.py)
 with the stage's inputs and `out_dir` (the staging directory that build_stage publishes), streams
 rank 0's output into `log` (the Prefect task's logger under Prefect) and keeps every rank's
 stdout/stderr in `runs/<run>/logs/<stage>-<time>/`. If any rank fails, the stage fails with that
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from artifacts import REPO
-from configs.errors import UserError
-from engine import progress
-from engine.dist import nproc_per_node
+from glm_lora.configs.errors import UserError
+from glm_lora.engine import progress
+from glm_lora.engine.dist import nproc_per_node
 
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
 
@@ -46,7 +45,7 @@ def torchrun_command(cfg, stage: str, config_file: Path, inputs: dict[str, Path]
                    f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={cfg.run_name}-{stage}"])
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node(cfg)}", *rendezvous,
             f"--log-dir={log_dir}", "--tee=3", "--local-ranks-filter=0", "--max-restarts=0",
-            "-m", "engine", stage, "--config", str(config_file), "--out", str(out_dir),
+            "-m", "glm_lora.engine", stage, "--config", str(config_file), "--out", str(out_dir),
             *[a for k, v in inputs.items() for a in ("--input", f"{k}={v}")]]
 
 
@@ -58,7 +57,7 @@ def torchrun_stage(stage: str, cfg, inputs: dict[str, Path], out_dir: Path, *,
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), allow_unicode=True))
     cmd = torchrun_command(cfg, stage, config_file, inputs, Path(out_dir), log_dir)
     log.info("%s: %s", stage, " ".join(cmd[2:]))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = dict(os.environ)      # the ranks import the installed glm_lora package (no repository path: no shadowing)
     lines: list[str] = []
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,   # our cwd: relative paths
                           bufsize=1) as proc:

@@ -19,13 +19,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.states import Completed, Failed
 
-from configs.errors import UserError
-from engine import progress
-from configs.schema import Config
-from tasks import report
-from tasks.cache import build_stage
-from tasks.report import artifact_key
-from tasks.table import STAGES
+from glm_lora.configs.errors import UserError
+from glm_lora.engine import progress
+from glm_lora.configs.schema import Config
+from glm_lora.tasks import report
+from glm_lora.tasks.cache import build_stage
+from glm_lora.tasks.report import artifact_key
+from glm_lora.tasks.table import STAGES
 
 logging.getLogger("glm_lora").setLevel(logging.INFO)
 # A global concurrency limit (scripts/run.sh creates it with 1 slot): a manual run and the nightly, or two
@@ -35,7 +35,7 @@ TRAINING = ("pretrain", "sft", "dpo")
 
 
 def _compare_artifact(cfg: Config, out: Path, metrics: dict) -> None:
-    from export import COMPARE
+    from glm_lora.export import COMPARE
     if (out / COMPARE).is_file():
         create_markdown_artifact(key=artifact_key(cfg.run_name, "compare"), markdown=(out / COMPARE).read_text(),
                                  description="fixed prompts side by side")

@@ -1,6 +1,6 @@
 """The one table of stages: what runs, on what, depending on which config keys and code.
 
-The flow (flows/glm_lora.py), the CLI (`python -m flows.cli stage NAME`, Prefect-free) and the cache
+The flow (flows/glm_lora.py), the CLI (`python -m glm_lora.flows.cli stage NAME`, Prefect-free) and the cache
 keys (tasks/cache.py) all read it; nothing else lists the stages or their edges. Each stage is a
 plain function `run(cfg, inputs, out_dir) -> metrics` (held here, so a reader or a tool follows it
 with one jump), where `cfg` is the validated Config and `inputs` maps upstream stage names to their
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import export
-from configs.schema import Config
-from data import prepare
-from engine import dpo, import_base, pretrain, sft
-from serve import stage as serve_stage
+from glm_lora import export
+from glm_lora.configs.schema import Config
+from glm_lora.data import prepare
+from glm_lora.engine import dpo, import_base, pretrain, sft
+from glm_lora.serve import stage as serve_stage
 
 TRAINING_CODE = ("configs", "data", "engine", "kernels", "model")
 StageFunction = Callable[[Config, dict[str, Path], Path], dict]

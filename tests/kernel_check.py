@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from glm_lora.kernels import reference
 
 
 class Tol(NamedTuple):

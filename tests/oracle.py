@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from model import Decoder
+from glm_lora.model import Decoder
 
 SCALE = 30.0   # one-hot logit: the oracle's token has p = 1 - O(V e^-30)
 

@@ -50,7 +50,7 @@ def _task_states(flow_run_id) -> dict[str, str]:
 
 
 def _run(overrides: dict):
-    from flows.glm_lora import glm_lora
+    from glm_lora.flows.glm_lora import glm_lora
     state = glm_lora(config="tiny", overrides=overrides, return_state=True)
     assert state.is_completed(), state
     return state.result(), _task_states(state.state_details.flow_run_id)
@@ -118,7 +118,7 @@ def test_each_stage_shows_tables_and_loss_curves_in_the_ui(dag):
 
 
 def _ids(run_dir: Path) -> torch.Tensor:
-    from data.tokenizer import load_tokenizer
+    from glm_lora.data.tokenizer import load_tokenizer
     tok = load_tokenizer(run_dir / "tokenizer")
     msgs = [{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant", "content": "19"}]
     return torch.tensor([tok.apply_chat_template(msgs, tokenize=True, return_dict=False)])
@@ -126,7 +126,7 @@ def _ids(run_dir: Path) -> torch.Tensor:
 
 def test_merged_export_loads_in_transformers_with_our_logits(dag):
     from transformers import AutoModelForCausalLM
-    from model.adapters import load_policy
+    from glm_lora.model.adapters import load_policy
     d = dag["run_dir"]
     ours = load_policy(d / "pretrain", d / "sft", d / "dpo").eval()
     hf = AutoModelForCausalLM.from_pretrained(d / "export" / "merged", dtype=torch.float32).eval()
@@ -138,7 +138,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(dag):
 def test_peft_adapters_load_and_match(dag):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from model.adapters import load_policy
+    from glm_lora.model.adapters import load_policy
     d, exp = dag["run_dir"], dag["run_dir"] / "export"
     ids = _ids(d)
     base = AutoModelForCausalLM.from_pretrained(exp / "base", dtype=torch.float32)
@@ -168,7 +168,7 @@ def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag):
 def test_training_stages_that_run_take_the_global_training_slot(dag, monkeypatch):
     """Only stages that actually train hold the `glm-lora-train` concurrency slot (not reused ones)."""
     import contextlib
-    import tasks.stages as stages
+    import glm_lora.tasks.stages as stages
     taken = []
 
     @contextlib.contextmanager
@@ -185,9 +185,9 @@ def test_base_model_path_starts_at_sft(dag, tmp_path):
     """A local HF Llama directory replaces tokenizer training + pretraining."""
     import shutil
     from transformers import LlamaConfig, LlamaForCausalLM
-    from data.prepare import TOKENIZER_FILES
-    from data.tokenizer import load_tokenizer
-    from model.hf import load_native
+    from glm_lora.data.prepare import TOKENIZER_FILES
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.model.hf import load_native
 
     base_dir = tmp_path / "my-base"
     base_dir.mkdir()
@@ -216,7 +216,7 @@ def test_base_model_path_starts_at_sft(dag, tmp_path):
 
 def test_a_stage_that_fails_mid_training_is_retried_by_prefect_and_resumes(dag, monkeypatch):
     """SFT raises once at step 7; Prefect retries the task; training resumes from the step-6 checkpoint."""
-    import engine.trainer as trainer
+    import glm_lora.engine.trainer as trainer
 
     real_step, calls = trainer.train_step, {"n": 0, "failed": False}
 
@@ -240,27 +240,36 @@ def test_a_stage_that_fails_mid_training_is_retried_by_prefect_and_resumes(dag, 
     assert len(losses) == 12
 
 
-LOAD_COPIED_DPO_ADAPTER = """
+LOAD_DPO_ADAPTER = """
 import sys
 from pathlib import Path
 import torch
-from peft import PeftConfig, PeftModel
+from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM
 export = Path(sys.argv[1])
-adapter = export / "adapters" / "dpo"
-base_dir = adapter / PeftConfig.from_pretrained(adapter).base_model_name_or_path   # relative to the adapter
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter).eval()
+model = AutoPeftModelForCausalLM.from_pretrained(str(export / "adapters" / "dpo"), dtype=torch.float32).eval()
 merged = AutoModelForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()
 ids = torch.tensor([[5, 17, 42, 9, 3, 77, 11]])
 with torch.no_grad():
-    print("MAXDIFF", float((model(ids).logits - merged(ids).logits).abs().max()), base_dir.resolve())
+    print("MAXDIFF", float((model(ids).logits - merged(ids).logits).abs().max()),
+          model.peft_config["default"].base_model_name_or_path)
 """
+
+
+def _load_dpo_adapter(export: Path, cwd: Path):
+    """PEFT's one-liner on the export's DPO adapter, in a fresh process whose working directory is `cwd`."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", LOAD_DPO_ADAPTER, str(export)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=env)
 
 
 def _glm4_base(path: Path) -> Path:
     """A tiny random Glm4ForCausalLM (GLM-4-0414 layout) with a GLM-4 chat template: nothing downloaded."""
     from transformers import Glm4Config, Glm4ForCausalLM
-    from data.tokenizer import load_tokenizer
+    from glm_lora.data.tokenizer import load_tokenizer
     from tests.chat_templates import build_tokenizer
     build_tokenizer(path, "glm4")
     tok = load_tokenizer(path)
@@ -275,7 +284,8 @@ def _glm4_base(path: Path) -> Path:
 def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_loadably(dag, tmp_path):
     """The user's path: a GLM-4 base, Alpaca SFT and prompt/chosen/rejected DPO files with no *_eval paths.
     Every metric must come from rows held out of those files; vLLM serves the result with parity; the DPO
-    adapter loads with PeftModel.from_pretrained in a fresh process from a copied run directory."""
+    adapter loads with PEFT's one-liner (AutoPeftModelForCausalLM) in a fresh process from another working directory,
+    and from a copied run directory after `glm-lora relocate`."""
     import shutil
     import subprocess
     import sys
@@ -307,18 +317,30 @@ def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_lo
     assert result["matches_inprocess"] is True and result["token_ids"] and result["inprocess_token_ids"]
     assert json.loads((run_dir / "export" / "merged" / "config.json").read_text())["architectures"] == ["Glm4ForCausalLM"]
 
-    copy = tmp_path / "copied-run"
+    elsewhere = tmp_path / "elsewhere"             # PEFT's one-liner from an unrelated working directory
+    elsewhere.mkdir()
+    proc = _load_dpo_adapter(run_dir / "export", elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff, base_used = proc.stdout.split("MAXDIFF")[1].split()
+    assert float(diff) < 1e-4 and base_used == str((run_dir / "export" / "sft_merged").resolve())
+
+    copy = tmp_path / "copied-run"                # a copy, the original gone: relocate, then the same one-liner
     shutil.copytree(run_dir, copy)
-    hidden = run_dir.with_name("glm4-user-moved")      # the original is gone while the copy loads
+    hidden = run_dir.with_name("glm4-user-moved")
     run_dir.rename(hidden)
     try:
-        proc = subprocess.run([sys.executable, "-c", LOAD_COPIED_DPO_ADAPTER, str(copy / "export")],
-                              capture_output=True, text=True, timeout=300)
+        assert _load_dpo_adapter(copy / "export", elsewhere).returncode != 0     # its base path is the original's
+        relocated = subprocess.run([sys.executable, "-m", "glm_lora.flows.cli", "relocate", str(copy / "export")],
+                                   capture_output=True, text=True, timeout=120, cwd=elsewhere)
+        assert relocated.returncode == 0, relocated.stderr[-2000:]
+        proc = _load_dpo_adapter(copy / "export", elsewhere)
     finally:
         hidden.rename(run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff, base_used = proc.stdout.split("MAXDIFF")[1].split()
     assert float(diff) < 1e-4 and base_used == str((copy / "export" / "sft_merged").resolve())
+    from glm_lora.artifacts import verify
+    verify(copy / "export")                        # the copy's manifest records the relocated files
 
 
 def _glm45_base(path: Path) -> tuple[Path, dict]:
@@ -327,7 +349,7 @@ def _glm45_base(path: Path) -> tuple[Path, dict]:
     Returns the directory and the MTP tensors."""
     from safetensors.torch import load_file, save_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    from data.tokenizer import load_tokenizer
+    from glm_lora.data.tokenizer import load_tokenizer
     from tests.chat_templates import build_tokenizer
     from tests.model.test_moe import mtp_tensors
     build_tokenizer(path, "glm4")
@@ -391,13 +413,13 @@ def test_each_preference_loss_raises_held_out_preference_accuracy(dag, tmp_path,
     the implicit reward β·(log π − log π_sft) ranks chosen above rejected for clearly more than half of the pairs
     (it is 0 at the start, where the adapter is the identity; 0.58 is 2.3 standard errors above chance — measured
     0.625–0.645 on this model), and the likelihood ranking gets no clearly worse (measured −0.035…+0.025)."""
-    from configs import load_config
-    from engine import dpo
-    from engine.evaluate import preference_metrics
-    from data import formats
-    from data.prepare import split_path
-    from data.tokenizer import load_tokenizer
-    from model.adapters import load_policy
+    from glm_lora.configs import load_config
+    from glm_lora.engine import dpo
+    from glm_lora.engine.evaluate import preference_metrics
+    from glm_lora.data import formats
+    from glm_lora.data.prepare import split_path
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.model.adapters import load_policy
 
     run_dir = dag["run_dir"]
     cfg = load_config("tiny", {**dag["overrides"], "dpo.loss": loss, "dpo.max_steps": 100, "dpo.eval_every": 0,
@@ -429,7 +451,7 @@ def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(d
         assert metrics["world_size"] == 2 and metrics["strategy"] == ("fsdp2" if stage == "pretrain" else "ddp")
     assert (run_dir / "export" / "merged" / "model.safetensors").is_file()
 
-    from flows.glm_lora import glm_lora
+    from glm_lora.flows.glm_lora import glm_lora
     monkeypatch.setenv("GLM_LORA_TEST_FAIL", "1:2:user")      # rank 1 stops on a user error at step 2
     state = glm_lora(config="tiny", overrides={**overrides, "sft.max_steps": 9}, return_state=True)
     assert state.is_failed() and state.name == "StageFailed"

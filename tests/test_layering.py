@@ -13,9 +13,11 @@ def _imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            out |= {a.name.removeprefix("glm_lora.").split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "glm_lora":     # from glm_lora import kernels
+            out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module.split(".")[0])
+            out.add(node.module.removeprefix("glm_lora.").split(".")[0])
     return out & FLOOR.keys()
 
 
@@ -28,6 +30,6 @@ def test_no_package_imports_upward_or_sideways():
 
 
 def test_the_stage_table_holds_the_stage_functions():
-    from tasks.table import STAGES
+    from glm_lora.tasks.table import STAGES
     for name, stage in STAGES.items():
         assert callable(stage.run) and stage.run.__name__ in ("run", f"{name}_stage"), name

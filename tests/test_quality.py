@@ -5,8 +5,8 @@ machines passes while a regression in learning (data, tokenizer, model, losses, 
 """
 import pytest
 
-from configs import load_config
-from flows.cli import run_one_stage
+from glm_lora.configs import load_config
+from glm_lora.flows.cli import run_one_stage
 
 pytestmark = pytest.mark.slow
 

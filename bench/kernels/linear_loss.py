@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import reference, triton_linear_loss
+from glm_lora.kernels import reference, triton_linear_loss
 
 N, V = 16384, 32000
 HIDDEN = (768, 2048)

@@ -18,9 +18,9 @@ import torch
 import triton.testing
 
 from bench.kernels.rms_norm import M, measure
-from kernels import triton_lora_linear as tll
-from kernels.reference import scaled_mm
-from kernels.triton_lora_gemm import lora_gemm
+from glm_lora.kernels import triton_lora_linear as tll
+from glm_lora.kernels.reference import scaled_mm
+from glm_lora.kernels.triton_lora_gemm import lora_gemm
 
 SHAPES = ((2048, 2048), (2048, 5632), (5632, 2048))     # (in, out)
 RANKS = (16, 64)

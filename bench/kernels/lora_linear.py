@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import triton.testing
 
 from bench.kernels.rms_norm import M, measure
-from kernels import reference as ref
-from kernels import triton_lora_linear as tll
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels import triton_lora_linear as tll
 
 SHAPES = ((2048, 2048), (2048, 5632), (5632, 2048))
 RANKS = (16, 64)

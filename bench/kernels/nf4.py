@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import triton.testing
 
-import kernels
+from glm_lora import kernels
 from bench.kernels.rms_norm import M, measure
-from kernels import reference as ref
-from model.quant import quantize_nf4
+from glm_lora.kernels import reference as ref
+from glm_lora.model.quant import quantize_nf4
 
 SHAPES = ((2048, 2048), (5632, 2048), (2048, 5632), (11008, 4096))     # (out, in)
 R = 16
@@ -27,7 +27,7 @@ R = 16
 def _dequant_rows(out_f: int, in_f: int, gen: torch.Generator, device: str) -> list[dict]:
     q = quantize_nf4(torch.randn(out_f, in_f, device=device, generator=gen, dtype=torch.bfloat16) * 0.02)
     parts = (q.packed, q.absmax_codes, q.nested_absmax, q.offset, q.code, q.nested_code, torch.bfloat16)
-    from kernels.triton_nf4 import dequantize_nf4
+    from glm_lora.kernels.triton_nf4 import dequantize_nf4
     torch._dynamo.reset()
     impls = {"triton": lambda: dequantize_nf4(*parts), "eager": lambda: ref.dequantize_nf4(*parts),
              "compiled": torch.compile(lambda: ref.dequantize_nf4(*parts), dynamic=False)}

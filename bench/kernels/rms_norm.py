@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import triton.testing
 
-from kernels import reference as ref
-from kernels.triton_rms_norm import rms_norm
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_rms_norm import rms_norm
 
 M, HIDDEN, EPS = 16384, (768, 2048), 1e-5
 

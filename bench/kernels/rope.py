@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from bench.kernels.rms_norm import compare
-from kernels import reference as ref
-from kernels.triton_rope import apply_rope
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_rope import apply_rope
 
 B, T = 8, 2048
 HEADS = ((12, 12, 64), (32, 4, 64), (16, 4, 128))      # (q heads, kv heads, head_dim)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from bench.kernels.rms_norm import M, compare
-from kernels import reference as ref
-from kernels.triton_swiglu import swiglu
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_swiglu import swiglu
 
 INTERMEDIATE = (2048, 5632)
 

@@ -3,7 +3,7 @@ process each, in parallel on one GPU (each is launch-bound, so 15 share an H200 
 
     python bench/quality/sweep.py JOBS.json OUT INPUTS
 
-INPUTS holds stage outputs made on the CPU beforehand (`python -m flows.cli stage data|tokenizer`):
+INPUTS holds stage outputs made on the CPU beforehand (`python -m glm_lora.flows.cli stage data|tokenizer`):
 `tokenizer/`, `data/` and any other data dirs a job names. Each job (see jobs_*.json): `set` =
 config overrides, `pretrain` = pretrain on the GPU first, `data` = data dir under INPUTS, `full` =
 full fine-tuning instead of LoRA (by switching LoRA injection off: a measurement, not a feature),
@@ -21,9 +21,9 @@ HERE = Path(os.environ.get("SWEEP_INPUTS", "."))
 def run_job(job: dict, out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import logging, tempfile
-    import kernels
-    from configs import load_config, parse_value
-    from engine import adapter_stage, dpo, pretrain, sft
+    from glm_lora import kernels
+    from glm_lora.configs import load_config, parse_value
+    from glm_lora.engine import adapter_stage, dpo, pretrain, sft
     name = job["name"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", filename=str(out / f"{name}.log"))
     ov = {"run_name": name, "runs_dir": "/tmp/sweep_runs", "checkpoint.save_every": 0, "checkpoint.resume": "never",
@@ -32,8 +32,8 @@ def run_job(job: dict, out: Path) -> None:
     for a in job.get("set", []):
         k, v = a.split("=", 1); ov[k] = parse_value(v)
     cfg = load_config("tiny", ov)
-    from data.synthetic import solve
-    from engine import evaluate
+    from glm_lora.data.synthetic import solve
+    from glm_lora.engine import evaluate
 
     def with_fixed(metric_fn):      # a measurement hook: the stage's eval, plus the fixed prompts' answers
         def wrapped(cfg, model, tok, data_dir):
@@ -50,7 +50,7 @@ def run_job(job: dict, out: Path) -> None:
     kernels.using(cfg.kernels, cfg.attention).__enter__()     # this process runs one job: for its whole life
     if job.get("cpu_attention"):    # as on the CPU under bf16 autocast: attention in fp32 (kernels/reference.py)
         import torch
-        import kernels.reference as ref
+        import glm_lora.kernels.reference as ref
         eager = ref.attention
         ref.attention = lambda q, k, v, m: (ref.attention_in_fp32(q, k, v, m) if torch.is_autocast_enabled(q.device.type)
                                             else eager(q, k, v, m))

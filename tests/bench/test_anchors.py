@@ -6,8 +6,8 @@ import torch
 from bench import anchors
 from bench.e2e_dpo_gpu import sequence_logps
 from bench.workloads import RandomDPO, decoder_config, hf_model, hf_peft
-from data.packing import IGNORE, PackedBatches, padded_batches
-from data.sampler import EpochSampler
+from glm_lora.data.packing import IGNORE, PackedBatches, padded_batches
+from glm_lora.data.sampler import EpochSampler
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import pytest
 
-from configs import ConfigError, apply_overrides, load_config, parse_value, preset_path
-from configs.schema import LORA_TARGETS, Config
+from glm_lora.configs import ConfigError, apply_overrides, load_config, parse_value, preset_path
+from glm_lora.configs.schema import LORA_TARGETS, Config
 
 PRESETS = ["tiny", "small", "base"]
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from data.cleaning import EXAMPLE_CHARS, MAX_EXAMPLES, CleanReport, clean_conversations, clean_pairs, clean_texts
-from data.formats import read_pretrain
+from glm_lora.data.cleaning import EXAMPLE_CHARS, MAX_EXAMPLES, CleanReport, clean_conversations, clean_pairs, clean_texts
+from glm_lora.data.formats import read_pretrain
 
 
 def msgs(*pairs):

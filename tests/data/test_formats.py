@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import formats
-from data.cleaning import CleanReport
-from data.formats import DataError, iter_rows, read_dpo, read_pretrain, read_sft
+from glm_lora.data import formats
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import DataError, iter_rows, read_dpo, read_pretrain, read_sft
 
 GOOD = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
         "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import Config, HoldoutConfig
-from data.formats import read_dpo, read_pretrain, read_sft
-from data.holdout import holdout_ids, without
-from data.prepare import held_out_ids, prepare_data, split_provenance
+from glm_lora.configs.schema import Config, HoldoutConfig
+from glm_lora.data.formats import read_dpo, read_pretrain, read_sft
+from glm_lora.data.holdout import holdout_ids, without
+from glm_lora.data.prepare import held_out_ids, prepare_data, split_provenance
 
 CHATS = [{"messages": [{"role": "user", "content": f"Say the word number {i}."},
                        {"role": "assistant", "content": f"word{i}"}]} for i in range(300)]
@@ -67,8 +67,8 @@ def test_user_split_without_eval_file_gets_rows_of_the_same_file(prepared, split
 
 
 def test_training_never_sees_the_held_out_rows(prepared, tmp_path):
-    from data.pipeline import StageData
-    from data.tokenizer import train_tokenizer
+    from glm_lora.data.pipeline import StageData
+    from glm_lora.data.tokenizer import train_tokenizer
     out, cfg = prepared
     tok_dir = train_tokenizer([tmp_path / "corpus.jsonl"], tmp_path / "tok", vocab_size=400)
     cfg = cfg.model_copy(update={"runs_dir": tmp_path / "runs"})
@@ -89,7 +89,7 @@ def test_synthetic_eval_sets_stay_with_synthetic_training_data(prepared):
 
 
 def test_too_few_rows_to_hold_out_is_a_clear_error(tmp_path):
-    from data.formats import DataError
+    from glm_lora.data.formats import DataError
     cfg = Config.model_validate({"data": {"sft": str(_jsonl(tmp_path / "chat.jsonl", CHATS[:4])),
                                           "synthetic": {"n_pretrain": 300, "n_sft": 50, "n_dpo": 20, "n_eval": 10}}})
     (tmp_path / "data").mkdir()

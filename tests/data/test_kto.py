@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from data import formats
-from data.cleaning import CleanReport
-from data.formats import DataError, KTORow
-from data.packing import PackedBatches, padded_batches
-from data.synthetic import generate
-from data.tokenize import kto_examples, tokenized
-from data.tokenizer import load_tokenizer, train_tokenizer
+from glm_lora.data import formats
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import DataError, KTORow
+from glm_lora.data.packing import PackedBatches, padded_batches
+from glm_lora.data.synthetic import generate
+from glm_lora.data.tokenize import kto_examples, tokenized
+from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
 
 
 def write(tmp_path, rows, name="kto.jsonl"):
@@ -84,10 +84,10 @@ def test_each_row_is_paired_with_the_next_rows_answer_and_labelled(tmp_path, tok
 
 
 def test_the_kto_loss_reads_the_batch_labels():
-    from engine.losses import PreferenceLoss
+    from glm_lora.engine.losses import PreferenceLoss
     from tests.engine.test_engine import pair_batch, tiny
-    from configs.schema import LoRAConfig
-    from model import inject_lora
+    from glm_lora.configs.schema import LoRAConfig
+    from glm_lora.model import inject_lora
     m = tiny()
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj"], r=4, alpha=8))
     with torch.no_grad():
@@ -105,8 +105,8 @@ def test_the_kto_loss_reads_the_batch_labels():
 
 
 def test_a_paired_loss_on_a_kto_file_stops_before_any_training(tmp_path):
-    from configs import load_config
-    from engine.preflight import preflight
+    from glm_lora.configs import load_config
+    from glm_lora.engine.preflight import preflight
     path = write(tmp_path, [{"prompt": "Say hi.", "chosen": "hi", "rejected": "no"},
                             {"prompt": "Say yo.", "completion": "yo", "label": True}])
     cfg = load_config("tiny", {"data.dpo": str(path), "runs_dir": str(tmp_path / "runs")})

@@ -13,13 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from configs.schema import DataConfig
-from data import formats, tokenize
-from data.cleaning import EXAMPLE_CHARS, MAX_EXAMPLES, CleanReport, clean_conversations, clean_pairs, clean_texts
-from data.formats import MAX_LINE_BYTES, DataError, iter_rows, read_dpo, read_pretrain, read_sft
-from data.synthetic import generate
-from data.tokenize import IGNORE, cut_messages, dpo_examples, lm_examples, sft_examples, usable_chars
-from data.tokenizer import load_tokenizer, tokenize_chat, train_tokenizer
+from glm_lora.configs.schema import DataConfig
+from glm_lora.data import formats, tokenize
+from glm_lora.data.cleaning import EXAMPLE_CHARS, MAX_EXAMPLES, CleanReport, clean_conversations, clean_pairs, clean_texts
+from glm_lora.data.formats import MAX_LINE_BYTES, DataError, iter_rows, read_dpo, read_pretrain, read_sft
+from glm_lora.data.synthetic import generate
+from glm_lora.data.tokenize import IGNORE, cut_messages, dpo_examples, lm_examples, sft_examples, usable_chars
+from glm_lora.data.tokenizer import load_tokenizer, tokenize_chat, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 1024
@@ -300,12 +300,12 @@ def test_sft_and_dpo_cut_changes_nothing(tok, overlong, where):
 MEASURE = """
 import json, resource, sys
 sys.path.insert(0, {repo!r})
-from data.cleaning import CleanReport, clean_conversations, clean_texts
-from data.formats import DataError, read_pretrain, read_sft
+from glm_lora.data.cleaning import CleanReport, clean_conversations, clean_texts
+from glm_lora.data.formats import DataError, read_pretrain, read_sft
 kind, path, limit, tok_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 if tok_dir != "-":
-    from data.tokenize import lm_examples, sft_examples
-    from data.tokenizer import load_tokenizer
+    from glm_lora.data.tokenize import lm_examples, sft_examples
+    from glm_lora.data.tokenizer import load_tokenizer
     tok = load_tokenizer(tok_dir)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 report, out = CleanReport(), {{}}

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.packing import IGNORE, PackedBatches, padded_batches
-from engine.losses import causal_lm_loss, group_logprobs
-from model import Decoder, DecoderConfig
+from glm_lora.data.packing import IGNORE, PackedBatches, padded_batches
+from glm_lora.engine.losses import causal_lm_loss, group_logprobs
+from glm_lora.model import Decoder, DecoderConfig
 
 torch.set_num_threads(1)
 
@@ -188,8 +188,8 @@ def test_group_logprobs_are_the_same_packed_and_padded():
 
 def test_data_state_in_each_batch_resumes_exactly_through_prefetch():
     """With prefetching the sampler runs ahead; the state carried by a batch is the one to save."""
-    from data.prefetch import Prefetcher
-    from data.sampler import EpochSampler
+    from glm_lora.data.prefetch import Prefetcher
+    from glm_lora.data.sampler import EpochSampler
 
     src = ListSource(_docs(60, seed=7))
 

@@ -10,8 +10,8 @@ import traceback
 import pytest
 import torch
 
-from data.prefetch import Prefetcher
-from data.sampler import EpochSampler
+from glm_lora.data.prefetch import Prefetcher
+from glm_lora.data.sampler import EpochSampler
 
 
 def source(n: int, delay: float = 0.0):

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from data.sampler import EpochSampler
+from glm_lora.data.sampler import EpochSampler
 
 
 def take(sampler, k: int) -> list[int]:

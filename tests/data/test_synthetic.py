@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from configs import load_config
-from configs.errors import UserError
-from configs.schema import COMPARE_PROMPTS
+from glm_lora.configs import load_config
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import COMPARE_PROMPTS
 
-from data.formats import read_dpo, read_pretrain, read_sft
-from data.synthetic import TASK_FAMILIES, UNITS, check_answer, generate, held_out_keys, prompt_keys, solve
+from glm_lora.data.formats import read_dpo, read_pretrain, read_sft
+from glm_lora.data.synthetic import TASK_FAMILIES, UNITS, check_answer, generate, held_out_keys, prompt_keys, solve
 
 COUNTS = dict(n_pretrain=300, n_sft=400, n_dpo=100, n_eval=50, held_out_prompts=COMPARE_PROMPTS)
 
@@ -144,7 +144,7 @@ def test_check_answer():
 
 
 def test_cli(tmp_path):
-    from data.synthetic import main
+    from glm_lora.data.synthetic import main
 
     main([str(tmp_path), "--seed", "1", "--n-pretrain", "20", "--n-sft", "20", "--n-dpo", "10", "--n-eval", "10"])
     assert len(rows(tmp_path / "sft.jsonl")) == 20
@@ -152,7 +152,7 @@ def test_cli(tmp_path):
 
 def test_sft_weights_set_the_mix_and_leave_the_eval_sets_alone(tmp_path):
     import collections
-    from data import synthetic
+    from glm_lora.data import synthetic
     plain = synthetic.generate(tmp_path / "a", n_pretrain=20, n_sft=300, n_dpo=20, n_eval=20)
     heavy = synthetic.generate(tmp_path / "b", n_pretrain=20, n_sft=300, n_dpo=20, n_eval=20,
                                sft_weights={"add_en": 3})

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from data.token_store import IGNORE, TokenStore, TokenStoreError, cached_token_store
+from glm_lora.data.token_store import IGNORE, TokenStore, TokenStoreError, cached_token_store
 
 # Ragged on purpose: an empty example, one with no loss at all, one longer than the write chunk.
 EXAMPLES = [

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import DataConfig
-from data import tokenize
-from data.cleaning import CleanReport, check_drop_fraction
-from data.formats import DataError
-from data.synthetic import generate
-from data.tokenize import IGNORE, dpo_examples, left_cut_prompt, sft_examples, usable_chars
-from data.tokenizer import chat_tokens, load_tokenizer, prompt_ids, tokenize_chat, train_tokenizer
+from glm_lora.configs.schema import DataConfig
+from glm_lora.data import tokenize
+from glm_lora.data.cleaning import CleanReport, check_drop_fraction
+from glm_lora.data.formats import DataError
+from glm_lora.data.synthetic import generate
+from glm_lora.data.tokenize import IGNORE, dpo_examples, left_cut_prompt, sft_examples, usable_chars
+from glm_lora.data.tokenizer import chat_tokens, load_tokenizer, prompt_ids, tokenize_chat, train_tokenizer
 from test_tokenize_templates import CONV, build_tokenizer, spans
 
 # Common English words: a 30-word prompt is ~150 tokens with the tiny preset's tokenizer (letters never merge).

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from data.cleaning import CleanReport
-from data.formats import DataError
-from data.tokenize import dpo_examples, sft_examples
-from data.tokenizer import (
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import DataError
+from glm_lora.data.tokenize import dpo_examples, sft_examples
+from glm_lora.data.tokenizer import (
     IGNORE_INDEX, ChatRowError, ChatTemplateError, end_of_turn_ids, load_tokenizer, prompt_ids, tokenize_chat,
     train_tokenizer,
 )
-from engine.evaluate import greedy_answers, greedy_decode
+from glm_lora.engine.evaluate import greedy_answers, greedy_decode
 from tests.oracle import Oracle
 from tests.chat_templates import CHATML, FAMILIES, build_tokenizer, corpus, labelled_spans as spans
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from data.tokenizer import (
+from glm_lora.data.tokenizer import (
     CHAT_TEMPLATE, IGNORE_INDEX, IM_END, IM_START, load_tokenizer, tokenize_chat, train_tokenizer,
 )
 from tests.chat_templates import labelled_spans

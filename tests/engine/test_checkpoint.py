@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-import engine.checkpoint as ckpt_mod
-import engine.checkpoint_store as store_mod
-from configs.schema import CheckpointConfig, Config
-from engine.checkpoint import Checkpointer, IncompatibleResumeError, TrainState, capture_rng, config_diff, restore_rng
-from engine.checkpoint_store import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError,
+import glm_lora.engine.checkpoint as ckpt_mod
+import glm_lora.engine.checkpoint_store as store_mod
+from glm_lora.configs.schema import CheckpointConfig, Config
+from glm_lora.engine.checkpoint import Checkpointer, IncompatibleResumeError, TrainState, capture_rng, config_diff, restore_rng
+from glm_lora.engine.checkpoint_store import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError,
                                      CheckpointManager, CheckpointUnusable)
-from engine.losses import causal_lm_loss
-from engine.optim import build_optimizer
-from model import Decoder, DecoderConfig, inject_lora
-from configs.schema import LoRAConfig
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 
@@ -211,8 +211,8 @@ def test_kill_9_during_save_keeps_previous(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time, torch
         sys.path.insert(0, {str(REPO)!r})
-        import engine.checkpoint as c
-        import engine.checkpoint_store as s
+        import glm_lora.engine.checkpoint as c
+        import glm_lora.engine.checkpoint_store as s
         mgr = s.CheckpointManager({str(tmp_path)!r})
         w = {{"a": torch.arange(6.0)}}
         mgr.save(1, weights=w, optimizer={{"state": {{}}, "param_groups": []}}, trainer_state={{"step": 1}},
@@ -431,7 +431,7 @@ def test_train_state_validated_counts_patience():
 def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
     """The directory hash is the one engine/stages.py computed before: checkpoints made by an earlier
     version are still found (and a changed max_steps/log_every still resumes)."""
-    import artifacts
+    from glm_lora import artifacts
     inputs = []
     for name in ("tokenizer", "data"):
         (tmp_path / name).mkdir()

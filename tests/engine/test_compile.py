@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-import engine.compile as ec
-from configs.schema import TrainConfig
-from engine.compile import compiled_training
-from engine.losses import causal_lm_loss
-from model import Decoder, DecoderConfig, inject_lora
-from configs.schema import LoRAConfig
+import glm_lora.engine.compile as ec
+from glm_lora.configs.schema import TrainConfig
+from glm_lora.engine.compile import compiled_training
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@
 - inside an FSDP2 model the kernels receive plain tensors, never DTensors, and DPO's adapter-off
   reference reaches the sharded LoRA layers.
 
-Every stage input is built once per module with `python -m flows.cli stage`. The machine has 2 cores:
+Every stage input is built once per module with `python -m glm_lora.flows.cli stage`. The machine has 2 cores:
 each torchrun here takes both.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from configs import load_config
-from configs.errors import UserError
+from glm_lora.configs import load_config
+from glm_lora.configs.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {
@@ -70,7 +70,7 @@ def prepared(tmp_path_factory):
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump({**CONFIG, "runs_dir": str(root / "runs")}))
     for stage in ("data", "tokenizer", "pretrain"):
-        p = subprocess.run([sys.executable, "-m", "flows.cli", "stage", stage, "--config", str(config)], cwd=REPO,
+        p = subprocess.run([sys.executable, "-m", "glm_lora.flows.cli", "stage", stage, "--config", str(config)], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
     runs = root / "runs" / "inputs"
@@ -87,13 +87,13 @@ def _command(prepared, stage: str, run_name: str, out: Path, ranks: int | None, 
     out.mkdir(parents=True, exist_ok=True)
     args = [a for k, v in {"run_name": run_name, **sets}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     inputs = [a for k, v in prepared["inputs"][stage].items() for a in ("--input", f"{k}={v}")]
-    return [sys.executable, *launcher, "-m", "engine", stage, "--config", str(prepared["config"]), *args, *inputs,
+    return [sys.executable, *launcher, "-m", "glm_lora.engine", stage, "--config", str(prepared["config"]), *args, *inputs,
             "--out", str(out)]
 
 
 def engine(prepared, stage: str, run_name: str, *, ranks: int | None = None, env: dict | None = None,
            log_dir: Path | None = None, **sets) -> subprocess.CompletedProcess:
-    """`python -m engine STAGE` (ranks None) or `torchrun --nproc_per_node RANKS -m engine STAGE`."""
+    """`python -m glm_lora.engine STAGE` (ranks None) or `torchrun --nproc_per_node RANKS -m glm_lora.engine STAGE`."""
     out = prepared["root"] / "out" / f"{run_name}-{time.monotonic_ns()}"
     p = subprocess.run(_command(prepared, stage, run_name, out, ranks, sets, log_dir), cwd=REPO,
                        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
@@ -296,12 +296,12 @@ def test_kill_minus_9_of_one_rank_then_restart_is_bit_identical(prepared):
 
 KERNEL_CHECK = r'''
 import copy, torch, torch.distributed as tdist
-import kernels
-from engine import dist
-from engine.losses import causal_lm_loss, group_logprobs
-from engine.trainer import Runtime
-from configs.schema import LoRAConfig
-from model import Decoder, DecoderConfig, inject_lora, lora_disabled
+from glm_lora import kernels
+from glm_lora.engine import dist
+from glm_lora.engine.losses import causal_lm_loss, group_logprobs
+from glm_lora.engine.trainer import Runtime
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled
 from torch.distributed.tensor import DTensor
 
 d = dist.init("cpu")
@@ -367,11 +367,11 @@ def test_kernels_get_plain_tensors_and_the_adapter_switch_reaches_fsdp2_layers(t
 
 MOE_FSDP2_CHECK = r'''
 import copy, json, sys, torch
-from engine import dist
-from engine.losses import causal_lm_loss
-from engine.trainer import Runtime
-from configs.schema import LoRAConfig
-from model import Decoder, DecoderConfig, inject_lora
+from glm_lora.engine import dist
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.trainer import Runtime
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from torch.distributed.tensor import DTensor
 
 d = dist.init("cpu")
@@ -418,7 +418,7 @@ def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path):
 # ---------------------------------------------------------------- batch math (no processes)
 
 def test_batch_math_derives_grad_accum_and_names_the_keys():
-    from engine import dist
+    from glm_lora.engine import dist
     cfg = load_config("tiny", {"sft.batch_size": 4, "sft.global_batch_size": 32, "dist.nproc_per_node": "auto",
                                "device": "cpu"})
     assert dist.nproc_per_node(cfg) == 1 and dist.world_size(cfg) == 1

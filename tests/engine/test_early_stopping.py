@@ -3,10 +3,10 @@ import itertools
 
 import torch
 
-from engine.checkpoint import CheckpointManager, Checkpointer
-from engine.losses import causal_lm_loss
-from engine.trainer import train
-from configs.schema import CheckpointConfig
+from glm_lora.engine.checkpoint import CheckpointManager, Checkpointer
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.trainer import train
+from glm_lora.configs.schema import CheckpointConfig
 from tests.engine.test_engine import CPU, batch, cfg, tiny
 
 

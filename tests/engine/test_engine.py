@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.losses as losses
-from configs.errors import UserError
-from configs.schema import TrainConfig
-from engine.losses import PreferenceLoss, causal_lm_loss, group_logprobs
-from engine.optim import build_optimizer, lr_at
-from engine.trainer import NonFiniteLossError, Runtime, train, train_step
-from model import Decoder, DecoderConfig, inject_lora
-from model.lora import lora_modules
-from configs.schema import LoRAConfig
+import glm_lora.engine.losses as losses
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import TrainConfig
+from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss, group_logprobs
+from glm_lora.engine.optim import build_optimizer, lr_at
+from glm_lora.engine.trainer import NonFiniteLossError, Runtime, train, train_step
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.model.lora import lora_modules
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 

@@ -15,22 +15,22 @@ import pytest
 import torch
 import torch.nn as nn
 
-from configs.schema import Config
-from data.cleaning import CleanReport
-from data.formats import DataError, read_dpo
-from data.prepare import prepare_data
-from data.synthetic import TASK_FAMILIES, generate
-from data.tokenize import lm_examples
-from data.tokenizer import load_tokenizer, train_tokenizer
-from engine.evaluate import (
+from glm_lora.configs.schema import Config
+from glm_lora.data.cleaning import CleanReport
+from glm_lora.data.formats import DataError, read_dpo
+from glm_lora.data.prepare import prepare_data
+from glm_lora.data.synthetic import TASK_FAMILIES, generate
+from glm_lora.data.tokenize import lm_examples
+from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
+from glm_lora.engine.evaluate import (
     compare_prompts, greedy_answers, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate,
     task_metrics,
 )
-from engine import heldout
-from engine.losses import PreferenceLoss
-from model import Decoder, DecoderConfig, inject_lora
+from glm_lora.engine import heldout
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from tests.oracle import Oracle
-from configs.schema import LoRAConfig
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 
@@ -197,9 +197,9 @@ def test_preference_metrics_untrained_adapter_scores_zero(tok, pairs):
 
 def test_preference_metrics_trained_adapter_prefers_chosen(tok, pairs):
     """A few DPO steps on the pairs themselves: every pair's implicit reward favours chosen."""
-    from data.packing import padded_batches
-    from engine.evaluate import _Examples
-    from data.tokenize import dpo_examples
+    from glm_lora.data.packing import padded_batches
+    from glm_lora.engine.evaluate import _Examples
+    from glm_lora.data.tokenize import dpo_examples
 
     model = tiny_decoder(tok)
     inject_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], r=4, alpha=8))

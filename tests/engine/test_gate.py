@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from engine.gate import lookup, promotion_gate
+from glm_lora.engine.gate import lookup, promotion_gate
 
 SERVED = {"sft": {"exact_match": 0.97, "per_family": {"add_en": 0.95}}, "dpo": {"implicit_reward_accuracy": 0.91},
           "pretrain": {"perplexity": 2.1}}

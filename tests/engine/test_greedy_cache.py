@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.evaluate import _cropped_then_batches, _generate, _stop_set, greedy_decode
-from model import Decoder, DecoderConfig, inject_lora
-from model.model import LAYOUTS, KVCache
-from configs.schema import LoRAConfig
+from glm_lora.engine.evaluate import _cropped_then_batches, _generate, _stop_set, greedy_decode
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.model.model import LAYOUTS, KVCache
+from glm_lora.configs.schema import LoRAConfig
 
 
 def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size=32):

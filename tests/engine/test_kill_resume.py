@@ -38,7 +38,7 @@ def _args(runs: Path, run_name: str, extra: dict | None = None) -> list[str]:
 
 def _stage(name: str, runs: Path, run_name: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", name, *_args(runs, run_name)],
+    return subprocess.Popen([sys.executable, "-m", "glm_lora.flows.cli", "stage", name, *_args(runs, run_name)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
 
 

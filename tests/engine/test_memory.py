@@ -2,9 +2,9 @@
 a real model's parameters), and how DDP, FSDP2, QLoRA and activation checkpointing change it."""
 import torch
 
-from configs.schema import LoRAConfig, TrainConfig
-from engine.memory import lora_memory
-from model import inject_lora
+from glm_lora.configs.schema import LoRAConfig, TrainConfig
+from glm_lora.engine.memory import lora_memory
+from glm_lora.model import inject_lora
 from tests.model.test_moe_lora import moe_model
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.losses import PAIRED, PreferenceLoss, kto_loss
+from glm_lora.engine.losses import PAIRED, PreferenceLoss, kto_loss
 
 
 PC, PR = torch.tensor([-4.0, -9.0, -2.5]), torch.tensor([-6.0, -7.0, -8.0])      # summed answer log-probs
@@ -72,9 +72,9 @@ def test_against_trl_orpo():
 @pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "orpo"])
 def test_reference_forward_only_where_the_loss_has_a_reference(kind, monkeypatch):
     from tests.engine.test_engine import pair_batch, tiny
-    from configs.schema import LoRAConfig
-    from model import inject_lora
-    import engine.losses as losses
+    from glm_lora.configs.schema import LoRAConfig
+    from glm_lora.model import inject_lora
+    import glm_lora.engine.losses as losses
 
     m = tiny()
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "v_proj"], r=4, alpha=8))

@@ -5,10 +5,10 @@ import logging
 import pytest
 import torch
 
-from configs.schema import LoRAConfig
-from engine.router_stats import RouterHealth, balance_loss
-from model import inject_lora
-from tasks.report import router_heatmap, router_rows
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.engine.router_stats import RouterHealth, balance_loss
+from glm_lora.model import inject_lora
+from glm_lora.tasks.report import router_heatmap, router_rows
 from tests.model.test_moe_lora import ids, moe_model
 
 
@@ -71,6 +71,6 @@ def test_the_heat_map_is_drawn(tmp_path):
 
 
 def test_a_dense_model_has_no_router_health():
-    from model import Decoder, DecoderConfig
+    from glm_lora.model import Decoder, DecoderConfig
     assert not RouterHealth(Decoder(DecoderConfig(vocab_size=10, hidden_size=16, num_layers=1, num_heads=2,
                                                   num_kv_heads=1, intermediate_size=8)))

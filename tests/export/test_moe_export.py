@@ -9,12 +9,12 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from configs.schema import LoRAConfig
-from export import write_peft_adapter
-from model import inject_lora, merge_lora
-from model.adapters import PEFT_CONFIG, PEFT_WEIGHTS, save_adapter, served_form
-from model.hf import load_hf, save_hf, save_native, load_native
-from model.lora import lora_modules
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.export import write_peft_adapter
+from glm_lora.model import inject_lora, merge_lora
+from glm_lora.model.adapters import PEFT_CONFIG, PEFT_WEIGHTS, save_adapter, served_form
+from glm_lora.model.hf import load_hf, save_hf, save_native, load_native
+from glm_lora.model.lora import lora_modules
 from tests.model.test_moe import hf_model, ids
 
 torch.set_num_threads(1)

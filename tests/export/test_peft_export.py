@@ -9,13 +9,13 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from configs.schema import LoRAConfig
-from model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_adapter, load_policy, save_adapter
-from export import VLLM_SPLIT_ARCHS, write_peft_adapter
-from model import Decoder, DecoderConfig, inject_lora
-from model.hf import HF_ARCHITECTURES, load_native, save_hf, save_native
-from model.lora import lora_modules, saved_modules
-from model.adapters import served_form
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_adapter, load_policy, save_adapter
+from glm_lora.export import VLLM_SPLIT_ARCHS, write_peft_adapter
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.model.hf import HF_ARCHITECTURES, load_native, save_hf, save_native
+from glm_lora.model.lora import lora_modules, saved_modules
+from glm_lora.model.adapters import served_form
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 

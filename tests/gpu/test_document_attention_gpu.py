@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from glm_lora import kernels
+from glm_lora.kernels import reference
 from tests.kernel_check import close, leaf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -4,8 +4,8 @@ where it runs (bf16, sm90). Expert loads are skewed (log-normal) with one expert
 import pytest
 import torch
 
-from kernels import reference
-from kernels import triton_grouped_mm as tgm
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_grouped_mm as tgm
 from tests.kernel_check import Tol, check, close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import triton_linear_loss as tll
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels import triton_linear_loss as tll
 from tests.kernel_check import leaf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

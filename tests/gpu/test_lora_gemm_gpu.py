@@ -3,9 +3,9 @@ and fp16, through the autotuner's configs; and the LoRA linear with folding on v
 import pytest
 import torch
 
-from kernels import reference
-from kernels import triton_lora_linear as tll
-from kernels.triton_lora_gemm import lora_gemm
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_lora_linear as tll
+from glm_lora.kernels.triton_lora_gemm import lora_gemm
 from tests.kernel_check import Tol, check, close, lora_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

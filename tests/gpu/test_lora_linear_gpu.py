@@ -6,9 +6,9 @@ keeps no out-sized (M × out) or in-sized (M × in) tensor alive for backward.
 import pytest
 import torch
 
-from kernels import reference
-from kernels import triton_lora_linear as tll
-from kernels.triton_lora_linear import dropout_mask, dropout_seed, lora_linear
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_lora_linear as tll
+from glm_lora.kernels.triton_lora_linear import dropout_mask, dropout_seed, lora_linear
 from tests.kernel_check import Tol, check, lora_inputs, masked_lora_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.triton_nf4 import dequantize_nf4
-from model.quant import quantize_nf4
+from glm_lora import kernels
+from glm_lora.kernels import reference
+from glm_lora.kernels.triton_nf4 import dequantize_nf4
+from glm_lora.model.quant import quantize_nf4
 from tests.kernel_check import Tol, check, lora_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

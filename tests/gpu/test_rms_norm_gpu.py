@@ -4,8 +4,8 @@ import functools
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.triton_rms_norm import rms_norm
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_rms_norm import rms_norm
 from tests.kernel_check import Tol, check, leaf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

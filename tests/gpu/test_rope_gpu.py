@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.triton_rope import apply_rope
+from glm_lora.kernels.triton_rope import apply_rope
 from tests.kernel_check import check_rope, rope_projection, rope_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

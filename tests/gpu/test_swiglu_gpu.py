@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.triton_swiglu import swiglu
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_swiglu import swiglu
 from tests.kernel_check import check, leaf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

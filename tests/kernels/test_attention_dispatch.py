@@ -1,9 +1,9 @@
 """Attention "auto": the FlexAttention-vs-dense-mask rule (kernels.flex_pays) and how it is applied."""
 import torch
 
-import kernels
-from kernels import reference
-from model import DecoderConfig
+from glm_lora import kernels
+from glm_lora.kernels import reference
+from glm_lora.model import DecoderConfig
 
 
 def test_rule_follows_the_measured_widths():
@@ -22,7 +22,7 @@ def _doc_ids():
 
 
 def test_auto_mask_is_built_once_in_the_form_the_rule_picks(monkeypatch):
-    from kernels import flex
+    from glm_lora.kernels import flex
     built = []
     monkeypatch.setattr(flex, "document_block_mask", lambda d: built.append(d) or "block-mask")
     narrow = kernels.AutoDocumentMask(_doc_ids())

@@ -7,13 +7,13 @@ import itertools
 import pytest
 import torch
 
-import kernels
-from configs.schema import TrainConfig
-from data.packing import place
-from engine.losses import PreferenceLoss, causal_lm_loss
-from engine.trainer import Runtime, train
-from model import Decoder, DecoderConfig, inject_lora
-from configs.schema import LoRAConfig
+from glm_lora import kernels
+from glm_lora.configs.schema import TrainConfig
+from glm_lora.data.packing import place
+from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
+from glm_lora.engine.trainer import Runtime, train
+from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)
 CPU = Runtime(torch.device("cpu"), torch.float32)

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.triton_nf4 import dequantize_nf4 as triton_dequantize_nf4
-from model.quant import NF4_VALUES, dynamic_map, quantize_nf4
+from glm_lora import kernels
+from glm_lora.kernels import reference
+from glm_lora.kernels.triton_nf4 import dequantize_nf4 as triton_dequantize_nf4
+from glm_lora.model.quant import NF4_VALUES, dynamic_map, quantize_nf4
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -51,7 +51,7 @@ def test_triton_dequantize_matches_reference(shape, dtype):
 
 def test_backend_choice_reaches_the_triton_kernel(monkeypatch):
     q = quantize_nf4(weight((4, 64)))
-    from kernels import triton_nf4
+    from glm_lora.kernels import triton_nf4
     calls = []
     monkeypatch.setattr(triton_nf4, "dequantize_nf4", lambda *a: calls.append(a) or triton_dequantize_nf4(*a))
     kernels._triton_op.cache_clear()

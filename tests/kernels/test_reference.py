@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels import reference as ref
+from glm_lora.kernels import reference as ref
 from tests.kernel_check import close, grads, leaf, upcast
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU

@@ -5,9 +5,9 @@ all rows in one group; the weight-gradient kernel's row split; offsets validatio
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels import triton_grouped_mm as tgm
+from glm_lora import kernels
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_grouped_mm as tgm
 from tests.kernel_check import Tol, check
 
 torch.set_num_threads(1)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import triton_linear_loss as tll
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels import triton_linear_loss as tll
 from tests.kernel_check import close, leaf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU

@@ -4,9 +4,9 @@ on CPU: odd shapes that cut every tile edge, W passed transposed (forward) and a
 import pytest
 import torch
 
-from kernels import reference
-from kernels import triton_lora_linear as tll
-from kernels.triton_lora_gemm import MAX_RANK, lora_gemm
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_lora_linear as tll
+from glm_lora.kernels.triton_lora_gemm import MAX_RANK, lora_gemm
 from tests.kernel_check import Tol, check, close, lora_inputs
 
 torch.set_num_threads(1)

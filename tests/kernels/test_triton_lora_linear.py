@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels import triton_lora_linear as tll
-from kernels.triton_lora_linear import dropout_mask, dropout_seed, lora_linear
+from glm_lora.kernels import reference
+from glm_lora.kernels import triton_lora_linear as tll
+from glm_lora.kernels.triton_lora_linear import dropout_mask, dropout_seed, lora_linear
 from tests.kernel_check import Tol, check, close, lora_inputs, masked_lora_reference, upcast
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU

@@ -4,8 +4,8 @@ import functools
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.triton_rms_norm import rms_norm
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_rms_norm import rms_norm
 from tests.kernel_check import Tol, check, leaf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.triton_swiglu import swiglu
+from glm_lora.kernels import reference as ref
+from glm_lora.kernels.triton_swiglu import swiglu
 from tests.kernel_check import check, leaf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU

@@ -11,8 +11,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from model import Decoder, DecoderConfig
-from model.hf import (HF_ARCHITECTURES, BaseModelError, check_tokenizer_fits, decoder_config_from_hf,
+from glm_lora.model import Decoder, DecoderConfig
+from glm_lora.model.hf import (HF_ARCHITECTURES, BaseModelError, check_tokenizer_fits, decoder_config_from_hf,
                       hf_config_dict, hf_weight_map, load_hf, load_native, save_hf, save_native)
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU

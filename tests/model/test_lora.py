@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
-from model.lora import LoRALinear, linear_names, lora_modules
-from configs.schema import LoRAConfig
+from glm_lora.model import Decoder, DecoderConfig, inject_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora
+from glm_lora.model.lora import LoRALinear, linear_names, lora_modules
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -244,7 +244,7 @@ def test_all_linear_wraps_every_projection_of_the_layout(arch):
                                                 ("glm", ["up_proj", "down_proj"], ["up_proj"]),
                                                 ("llama", ["gate_up_proj"], ["gate_up_proj"])])
 def test_targets_the_layout_lacks_are_refused_naming_the_supported_set(arch, targets, bad):
-    from model.lora import LoRAConfigError
+    from glm_lora.model.lora import LoRAConfigError
     m = tiny_arch(arch)
     with pytest.raises(LoRAConfigError) as e:
         inject_lora(m, LoRAConfig(target_modules=targets, r=2, alpha=2))
@@ -271,7 +271,7 @@ def test_lora_linear_keeps_a_frozen_bias():
 def test_check_lora_knows_each_layout_from_its_config(arch):
     """What preflight can check from a base model's config.json alone (a model of it on the meta device): the
     same refusals inject_lora makes, naming the stage's key."""
-    from model.lora import LoRAConfigError, check_lora
+    from glm_lora.model.lora import LoRAConfigError, check_lora
     m = tiny_arch(arch)
     check_lora(m.config, LoRAConfig(target_modules="all-linear"), "sft.lora")
     check_lora(m.config, LoRAConfig(target_modules=LAYOUT_PROJECTIONS[arch][:2]), "sft.lora")
@@ -287,7 +287,7 @@ def test_fused_kernels_match_reference_on_biased_and_fused_layouts(arch):
     """kernels: triton (the Triton interpreter on CPU) vs reference on a layout with q/k/v bias, and for GLM-4
     a fused gate_up_proj (swiglu on its two halves), sandwich norms and GLM's RoPE (always the reference):
     the LoRA model's logits and every trainable gradient."""
-    import kernels
+    from glm_lora import kernels
     results = {}
     for backend in ("reference", "triton"):
         with kernels.using(backend):

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from model import Decoder, DecoderConfig
-from model.hf import save_hf
-from configs.schema import LoRAConfig
+from glm_lora.model import Decoder, DecoderConfig
+from glm_lora.model.hf import save_hf
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -131,7 +131,7 @@ def test_generate_matches_transformers_greedy(tmp_path, tie):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_activation_checkpointing_gives_the_same_loss_and_grads(lora):
-    from model import inject_lora
+    from glm_lora.model import inject_lora
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (2, 12))
     runs = []
@@ -202,7 +202,7 @@ def test_glm_rope_matches_transformers(D, factor, dtype):
     """Our reference tables + apply_rope(interleaved=True) against modeling_glm4's own, forward and gradients."""
     from transformers import Glm4Config
     from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding, apply_rotary_pos_emb
-    from kernels import reference as ref
+    from glm_lora.kernels import reference as ref
     B, H, Hkv, T = 2, 3, 1, 7
     cfg = Glm4Config(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                      max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
@@ -228,7 +228,7 @@ def test_glm_rope_matches_transformers(D, factor, dtype):
 def test_rope_dispatch_never_sends_glm_rope_to_the_triton_kernel(monkeypatch):
     """The Triton kernel rotates whole heads in halves only: interleaved or partial tables must take the
     reference even with kernels: triton; plain rotate-half still takes the kernel."""
-    import kernels
+    from glm_lora import kernels
     calls = []
     monkeypatch.setattr(kernels, "_triton_op", lambda name: (calls.append(name), lambda *a: "triton")[1])
     q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
 
-from model.hf import BaseModelError, load_hf, load_native, read_hf_config, save_hf, save_native
+from glm_lora.model.hf import BaseModelError, load_hf, load_native, read_hf_config, save_hf, save_native
 
 torch.set_num_threads(1)
 VOCAB = 96

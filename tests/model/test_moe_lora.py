@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from configs.schema import LoRAConfig
-from model import Decoder, DecoderConfig, inject_lora, lora_disabled, merge_lora
-from model.lora import LoRAConfigError, LoRAExperts, lora_modules, lora_state_dict
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled, merge_lora
+from glm_lora.model.lora import LoRAConfigError, LoRAExperts, lora_modules, lora_state_dict
 
 torch.set_num_threads(1)
 VOCAB = 61

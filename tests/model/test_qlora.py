@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-import kernels
-from kernels import reference
-from model import Decoder, DecoderConfig, inject_lora, lora_disabled, lora_state_dict, merge_lora
-from model.lora import LoRAConfigError, LoRALinear, lora_modules
-from model.quant import NF4Weight, quantize_nf4
+from glm_lora import kernels
+from glm_lora.kernels import reference
+from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled, lora_state_dict, merge_lora
+from glm_lora.model.lora import LoRAConfigError, LoRALinear, lora_modules
+from glm_lora.model.quant import NF4Weight, quantize_nf4
 from tests.model.test_lora import VOCAB, ids, randomise_b
 from tests.kernel_check import Tol, check, close, lora_inputs, masked_lora_reference
-from configs.schema import LoRAConfig
+from glm_lora.configs.schema import LoRAConfig
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
@@ -197,8 +197,8 @@ def test_a_layer_whose_size_is_not_a_multiple_of_64_is_named():
 
 
 def test_an_nf4_adapter_is_applied_to_the_dequantised_base(tmp_path):
-    from configs.schema import LoRAConfig
-    from model.adapters import apply_adapter, save_adapter
+    from glm_lora.configs.schema import LoRAConfig
+    from glm_lora.model.adapters import apply_adapter, save_adapter
     lora = LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "up_proj"], quantization="nf4")
     trained = tiny()
     inject_lora(trained, lora)
@@ -225,8 +225,8 @@ SMALL = {"threads": 1, "serve.enabled": False, "eval.enabled": False, "tokenizer
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """data, tokenizer and a briefly pretrained base of the tiny preset (its model shape), built once."""
-    from configs import load_config
-    from flows.cli import run_one_stage
+    from glm_lora.configs import load_config
+    from glm_lora.flows.cli import run_one_stage
     cfg = load_config("tiny", {**SMALL, "runs_dir": str(tmp_path_factory.mktemp("qlora"))})
     for stage in ("data", "tokenizer", "pretrain"):
         run_one_stage(stage, cfg)
@@ -234,8 +234,8 @@ def prepared(tmp_path_factory):
 
 
 def sft(prepared, quantization: str, **overrides):
-    from configs import load_config
-    from engine import sft as sft_stage
+    from glm_lora.configs import load_config
+    from glm_lora.engine import sft as sft_stage
     cfg = load_config("tiny", {**SMALL, "runs_dir": str(prepared.runs_dir), "sft.lora.quantization": quantization,
                                **overrides})
     out = prepared.runs_dir / f"sft-{quantization}-{len(list(prepared.runs_dir.glob('sft-*')))}"
@@ -278,10 +278,10 @@ def test_a_qlora_run_exports_merged_models_and_serves_them_not_the_adapters(prep
     plan serves merged/ alone (an nf4 adapter on a full-precision base is not the model that was trained)."""
     from transformers import AutoModelForCausalLM
 
-    from configs import load_config
-    from flows.cli import run_one_stage
-    from model.adapters import BASE_QUANTIZATION, NF4_BNB_CONFIG, apply_adapter, load_native, vllm_unservable
-    from serve.deploy import serving_plan
+    from glm_lora.configs import load_config
+    from glm_lora.flows.cli import run_one_stage
+    from glm_lora.model.adapters import BASE_QUANTIZATION, NF4_BNB_CONFIG, apply_adapter, load_native, vllm_unservable
+    from glm_lora.serve.deploy import serving_plan
     cfg = load_config("tiny", {**SMALL, "runs_dir": str(prepared.runs_dir), "sft.lora.quantization": "nf4",
                                "dpo.lora.quantization": "nf4", "sft.max_steps": 10, "dpo.max_steps": 4,
                                "dpo.batch_size": 4, "dpo.eval_every": 0})

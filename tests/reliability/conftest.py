@@ -55,9 +55,9 @@ def write_config(workdir: Path, extra: dict | None = None, name: str = "case.yam
 
 
 def run_cli(*argv: str, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m flows.cli ...` in a subprocess: the real exit status and the real stderr."""
+    """`python -m glm_lora.flows.cli ...` in a subprocess: the real exit status and the real stderr."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=full_env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "glm_lora.flows.cli", *argv], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -98,7 +98,7 @@ def tiny_hf_base(root: Path, arch: str = "LlamaForCausalLM", **config) -> Path:
     """A tiny HF model of class `arch` at random init with our tokenizer, in root/model (nothing from a hub)."""
     import torch
     import transformers
-    from data.tokenizer import load_tokenizer, train_tokenizer
+    from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
 
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(f"line {i} of a small corpus with words and numbers {i * 7}" for i in range(300)))

@@ -1,6 +1,6 @@
 """Bad input that must fail before any training: config, paths, data files, base model directories.
 
-Each case runs the real CLI (`python -m flows.cli stage data|tokenizer|...`) in a subprocess and
+Each case runs the real CLI (`python -m glm_lora.flows.cli stage data|tokenizer|...`) in a subprocess and
 asserts the exit status, one `error: ` line naming the place, and that nothing outside the run's
 own bookkeeping (its lock file) was created or changed.
 """
@@ -14,7 +14,7 @@ import pytest
 
 from tests.reliability.conftest import (REPO, USER_ERROR_EXIT, changed, error_line, run_cli, snapshot,
                                         tiny_hf_base, write_config)
-from configs.schema import LoRAConfig
+from glm_lora.configs.schema import LoRAConfig
 
 GOOD_SFT = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -94,9 +94,9 @@ def test_empty_user_file(workdir):
 def test_unreadable_user_file(workdir, monkeypatch):
     """In-process: CI runs as root, which reads any file, so unreadability is simulated at os.access."""
     import os
-    from configs import load_config
-    from data.formats import DataError
-    from engine.preflight import preflight
+    from glm_lora.configs import load_config
+    from glm_lora.data.formats import DataError
+    from glm_lora.engine.preflight import preflight
     path = jsonl(workdir / "chat.jsonl", [GOOD_SFT])
     cfg = load_config(write_config(workdir, {"data": {"sft": str(path)}}))
     real_access = os.access
@@ -223,8 +223,8 @@ def test_base_model_without_a_tokenizer(workdir, base_model):
 
 def test_lora_target_the_base_model_lacks(workdir, base_model, tmp_path):
     """Schema-valid targets that this model has no layer for: named before any step trains."""
-    from model.hf import load_hf
-    from model.lora import LoRAConfigError, inject_lora
+    from glm_lora.model.hf import load_hf
+    from glm_lora.model.lora import LoRAConfigError, inject_lora
     model = load_hf(base_model)
     for module in list(model.modules()):      # a model family without a separate gate projection
         if hasattr(module, "gate_proj"):
@@ -255,9 +255,9 @@ def test_a_user_error_in_the_flow_is_one_line_and_not_retried(workdir):
 def test_a_layer_nf4_cannot_hold_is_named_before_any_training(tmp_path):
     """lora.quantization nf4 scales whole 64-weight blocks: a 36 × 36 q_proj (1,296 weights) is refused by
     preflight, naming the key and the layer, before the data stage."""
-    from configs import load_config
-    from engine.preflight import preflight
-    from model.lora import LoRAConfigError
+    from glm_lora.configs import load_config
+    from glm_lora.engine.preflight import preflight
+    from glm_lora.model.lora import LoRAConfigError
     shape = {"model.hidden_size": 36, "model.num_heads": 3, "model.num_kv_heads": 3, "serve.enabled": False,
              "runs_dir": str(tmp_path)}
     preflight(load_config("tiny", shape))                                       # fine without quantization

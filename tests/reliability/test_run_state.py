@@ -56,7 +56,7 @@ def run(built, tmp_path) -> tuple[Path, Path]:
 
 
 def _refresh_manifest(stage_dir: Path) -> None:
-    import artifacts
+    from glm_lora import artifacts
     m = artifacts.read_manifest(stage_dir)
     artifacts.write_manifest(stage_dir, m["stage"], config=m["config"], metrics=m["metrics"],
                              inputs=[artifacts.ArtifactRef.from_dict(r) for r in m["inputs"]])
@@ -92,9 +92,9 @@ def test_user_file_edited_after_the_data_stage_is_not_tokenised_under_the_old_ha
 
 def test_file_edited_while_it_is_being_tokenised(tmp_path):
     """The hash is checked before the first row and after the last: a mid-read edit is caught too."""
-    from data.formats import DataError
-    from data.prepare import unchanged_rows
-    from artifacts import sha256_file
+    from glm_lora.data.formats import DataError
+    from glm_lora.data.prepare import unchanged_rows
+    from glm_lora.artifacts import sha256_file
     path = _jsonl(tmp_path / "chat.jsonl", CHAT)
     sha = sha256_file(path)
 
@@ -158,7 +158,7 @@ def test_one_corrupted_checkpoint_falls_back_to_an_older_one(run):
 
 HOLD_LOCK = """
 import sys, time
-from artifacts.lock import run_lock
+from glm_lora.artifacts.lock import run_lock
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(120)
@@ -197,7 +197,7 @@ def test_leftovers_of_a_crashed_run_are_cleaned_and_a_half_published_artifact_re
 
 
 def test_clean_scratch_never_touches_entries_that_are_not_ours(tmp_path):
-    from artifacts.lock import clean_scratch
+    from glm_lora.artifacts.lock import clean_scratch
     for name in (".sft.tmp", ".notes", "sft.tmp-1-2", ".sft.tmp-x-1"):
         (tmp_path / name).mkdir()
     (tmp_path / ".data.old-1-2").write_text("a file, not a directory we made")
@@ -207,7 +207,7 @@ def test_clean_scratch_never_touches_entries_that_are_not_ours(tmp_path):
 
 
 def test_checkpoint_scratch_of_dead_writers_is_removed(tmp_path):
-    from engine.checkpoint import CheckpointManager
+    from glm_lora.engine.checkpoint import CheckpointManager
     for name in (".tmp-best-999999", ".old-best-999999", ".tmp-step-00000004-999999"):
         (tmp_path / name).mkdir()
     (tmp_path / "notes").mkdir()
@@ -227,7 +227,7 @@ except SystemExit:
 
 
 def test_a_training_stage_runs_as_a_plain_process_without_prefect(run, tmp_path):
-    """`python -m engine sft` (what a multi-process launcher starts): inputs named explicitly, the
+    """`python -m glm_lora.engine sft` (what a multi-process launcher starts): inputs named explicitly, the
     stage's files written into --out, metrics printed; Prefect is never imported."""
     workdir, cfg = run
     run_dir, out = workdir / "runs" / "case", tmp_path / "sft-out"

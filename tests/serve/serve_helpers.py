@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from artifacts import MANIFEST, write_manifest
-from configs.schema import Config, LoRAConfig
-from data.tokenizer import IM_END, load_tokenizer, train_tokenizer
+from glm_lora.artifacts import MANIFEST, write_manifest
+from glm_lora.configs.schema import Config, LoRAConfig
+from glm_lora.data.tokenizer import IM_END, load_tokenizer, train_tokenizer
 
 GOOD_EVAL = {"pretrain": {"perplexity": 3.0}, "sft": {"exact_match": 0.8},
              "dpo": {"exact_match": 0.8, "implicit_reward_accuracy": 0.8}}
@@ -25,8 +25,8 @@ GOOD_EVAL = {"pretrain": {"perplexity": 3.0}, "sft": {"exact_match": 0.8},
 
 def _missing_for_serving() -> str:
     """Why the serving tests cannot run here ('' if they can): vLLM's virtualenv and nginx are needed."""
-    from serve import proxy
-    from serve import vllm_server as vs
+    from glm_lora.serve import proxy
+    from glm_lora.serve import vllm_server as vs
     try:
         vs.vllm_python()
         proxy.nginx_binary()
@@ -61,11 +61,11 @@ def build_export(tmp: Path, arch: str = "qwen3", *, seed: int = 0, eval_metrics:
     """A published-looking export directory (tmp/export) of a tiny random `arch` model; returns its path."""
     import transformers
 
-    from export import export
-    from model import inject_lora
-    from model.adapters import load_policy, save_adapter
-    from model.hf import HF_ARCHITECTURES, load_hf, save_native
-    from model.lora import lora_modules, saved_modules
+    from glm_lora.export import export
+    from glm_lora.model import inject_lora
+    from glm_lora.model.adapters import load_policy, save_adapter
+    from glm_lora.model.hf import HF_ARCHITECTURES, load_hf, save_native
+    from glm_lora.model.lora import lora_modules, saved_modules
 
     tmp = Path(tmp)
     hf_dir = tmp / "hf"

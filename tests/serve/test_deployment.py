@@ -27,11 +27,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from artifacts import read_manifest, write_manifest
-from configs import load_config
-from serve import deploy, proxy
-from serve import vllm_server as vs
-from serve.smoke import SmokeTestFailed
+from glm_lora.artifacts import read_manifest, write_manifest
+from glm_lora.configs import load_config
+from glm_lora.serve import deploy, proxy
+from glm_lora.serve import vllm_server as vs
+from glm_lora.serve.smoke import SmokeTestFailed
 from serve_helpers import NEEDS_VLLM_AND_NGINX, GOOD_EVAL, build_export, free_port
 
 pytestmark = NEEDS_VLLM_AND_NGINX
@@ -49,7 +49,7 @@ def _overrides(runs: Path, port: int) -> dict:
 
 def _cli(d: dict, *args: str) -> list[str]:
     sets = [x for k, v in d["overrides"].items() for x in ("--set", f"{k}={v}")]
-    return [sys.executable, "-m", "flows.cli", *args, *sets]
+    return [sys.executable, "-m", "glm_lora.flows.cli", *args, *sets]
 
 
 def _chat(url: str, key: str | None, model: str = "tiny", content: str = "What is 12 + 7?", max_tokens: int = 12):
@@ -147,7 +147,7 @@ def _assert_a_still_serves(d: dict) -> None:
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     """Export A live on the stable endpoint through the serve stage (with an API key); stopped at the end."""
-    from serve.stage import serve
+    from glm_lora.serve.stage import serve
 
     tmp = tmp_path_factory.mktemp("deploy")
     exports = {}
@@ -273,7 +273,7 @@ def test_bounded_load_has_no_errors(d):
 
 
 def test_a_candidate_failing_the_gate_is_never_started(d):
-    from serve.stage import promote_export
+    from glm_lora.serve.stage import promote_export
     bad = _variant(d["exports"]["a"], d["tmp"] / "gate-export",
                    eval_metrics={**GOOD_EVAL, "dpo": {"exact_match": 0.1, "implicit_reward_accuracy": 0.9}})
     with pytest.raises(deploy.GateFailed, match=r"dpo\.exact_match: candidate 0\.1 regresses.*0\.8"):
@@ -282,7 +282,7 @@ def test_a_candidate_failing_the_gate_is_never_started(d):
 
 
 def test_a_candidate_that_fails_to_start_leaves_the_old_model_answering(d):
-    from serve.stage import promote_export
+    from glm_lora.serve.stage import promote_export
 
     def too_short(export: Path) -> None:      # vLLM refuses serve.max_model_len 512 > 256 and exits
         config = export / "sft_merged" / "config.json"
@@ -297,7 +297,7 @@ def test_a_candidate_that_fails_to_start_leaves_the_old_model_answering(d):
 
 def test_a_candidate_failing_the_smoke_test_leaves_the_old_model_answering(d):
     """The DPO adapter's module names match nothing: vLLM loads it and silently serves the base."""
-    from serve.stage import promote_export
+    from glm_lora.serve.stage import promote_export
 
     def ignored_adapter(export: Path) -> None:
         weights = export / "adapters" / "dpo" / "adapter_model.safetensors"
@@ -313,7 +313,7 @@ def test_a_candidate_failing_the_smoke_test_leaves_the_old_model_answering(d):
 
 
 def _stage_cmd(d):
-    """`python -m flows.cli stage serve` on a run directory whose published export is export B."""
+    """`python -m glm_lora.flows.cli stage serve` on a run directory whose published export is export B."""
     export = d["cfg"].stage_dir("export")
     if not export.exists():
         shutil.copytree(d["exports"]["b"], export)
@@ -394,7 +394,7 @@ def test_promotion_to_b_fails_no_request(d):
 
 
 def test_an_unchanged_export_keeps_the_running_server(d):
-    from serve.stage import promote_export
+    from glm_lora.serve.stage import promote_export
     t0 = time.monotonic()
     result = promote_export(d["cfg"], d["exports"]["b"])
     print(f"\nunchanged re-promotion: {time.monotonic() - t0:.1f}s")

@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.schema import LoRAConfig
-from export import write_peft_adapter
-from model import inject_lora, merge_lora
-from model.adapters import save_adapter, served_form
-from model.hf import load_hf, save_hf
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.export import write_peft_adapter
+from glm_lora.model import inject_lora, merge_lora
+from glm_lora.model.adapters import save_adapter, served_form
+from glm_lora.model.hf import load_hf, save_hf
 from tests.serve.serve_helpers import NEEDS_VLLM_AND_NGINX
 
 pytestmark = NEEDS_VLLM_AND_NGINX
 
 
 def test_vllm_reads_every_experts_lora_from_our_export(tmp_path):
-    from serve import vllm_server as vs
+    from glm_lora.serve import vllm_server as vs
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    from data.tokenizer import load_tokenizer, train_tokenizer
+    from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
 
     base = tmp_path / "base"
     (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of words and numbers {i * 7}" for i in range(200)))

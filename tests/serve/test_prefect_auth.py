@@ -105,9 +105,9 @@ def test_server_requires_the_auth_string(prefect_server, tmp_path: Path) -> None
         assert name in deploy.stdout, deploy.stdout
     script = """
 from prefect.blocks.system import Secret
-from configs.errors import UserError
-from configs.schema import ServeConfig
-from serve.stage import api_key
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import ServeConfig
+from glm_lora.serve.stage import api_key
 Secret(value="k3y-from-block").save("glm-serve-key")
 print(api_key(ServeConfig(api_key_secret="glm-serve-key")))
 try:

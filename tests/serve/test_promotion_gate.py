@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from artifacts import write_manifest
-from configs import load_config
-from serve.deploy import Deployment
-from serve.stage import GateFailed, serve
+from glm_lora.artifacts import write_manifest
+from glm_lora.configs import load_config
+from glm_lora.serve.deploy import Deployment
+from glm_lora.serve.stage import GateFailed, serve
 
 
 def _export_with(tmp_path, eval_metrics):
@@ -54,7 +54,7 @@ def test_thresholds_apply_when_nothing_is_served(tmp_path):
 
 
 def test_an_export_that_does_not_verify_is_refused(tmp_path):
-    from configs.errors import UserError
+    from glm_lora.configs.errors import UserError
     cfg = load_config("tiny", {"runs_dir": str(tmp_path / "runs")})
     export = _export_with(tmp_path, {})
     (export / "merged" / "config.json").write_text('{"edited": true}')

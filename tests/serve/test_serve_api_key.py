@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from configs import ConfigError, load_config
-from configs.errors import UserError
-from serve.stage import api_key, serve
+from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.errors import UserError
+from glm_lora.serve.stage import api_key, serve
 
 
 def test_both_sources_are_refused() -> None:

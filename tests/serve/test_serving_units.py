@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from configs import ConfigError, load_config
-from configs.errors import UserError
-from serve import deploy, proxy
-from serve import vllm_server as vs
+from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.errors import UserError
+from glm_lora.serve import deploy, proxy
+from glm_lora.serve import vllm_server as vs
 
 REPO = Path(__file__).resolve().parents[2]
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -81,7 +81,7 @@ def test_serve_config_checks():
 
 
 def test_serving_plan(tmp_path):
-    from serve.deploy import serving_plan
+    from glm_lora.serve.deploy import serving_plan
     (tmp_path / "sft_merged").mkdir()
     (tmp_path / "sft_merged" / "config.json").write_text("{}")
     _adapter(tmp_path / "adapters" / "dpo", 16)
@@ -101,8 +101,8 @@ def test_serving_plan(tmp_path):
 def test_serving_plan_reads_the_export_manifest(tmp_path):
     """What the server loads (the -vllm form where export wrote one) and at which rank is what export recorded
     in its manifest; the adapter files are read only for an export made before the record existed."""
-    from artifacts import build
-    from serve.deploy import serving_plan
+    from glm_lora.artifacts import build
+    from glm_lora.serve.deploy import serving_plan
 
     def export(tmp):
         (tmp / "sft_merged").mkdir(parents=True)
@@ -110,7 +110,7 @@ def test_serving_plan_reads_the_export_manifest(tmp_path):
         _adapter(tmp / "adapters" / "dpo", 16)
         _adapter(tmp / "adapters" / "dpo-vllm", 16)        # a GLM-4 split form beside the adapter
         _adapter(tmp / "adapters" / "sft", 16)
-        from model.adapters import served_form
+        from glm_lora.model.adapters import served_form
         return {"adapters": {n: served_form(tmp, f"adapters/{n}") for n in ("sft", "dpo")}}
 
     export(tmp_path / "legacy")                        # no manifest: read from the files
@@ -215,13 +215,13 @@ def test_settle_forgets_dead_processes_and_previous_export_skips_the_active_one(
     (["serve", "promote", "--previous"], "no earlier served export is kept"),
 ])
 def test_serve_cli_refusals(tmp_path, args, message):
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--set", f"runs_dir={tmp_path}"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "glm_lora.flows.cli", *args, "--set", f"runs_dir={tmp_path}"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def test_serve_cli_status_and_stop_of_nothing(tmp_path):
-    cmd = [sys.executable, "-m", "flows.cli", "serve"]
+    cmd = [sys.executable, "-m", "glm_lora.flows.cli", "serve"]
     status = subprocess.run(cmd + ["status", "--set", f"runs_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True)
     assert status.returncode == 0 and json.loads(status.stdout)["serving"] is False
     stop = subprocess.run(cmd + ["stop", "--set", f"runs_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True)
@@ -299,7 +299,7 @@ def test_stop_stops_a_server_of_the_old_serve_stage(tmp_path):
         cfg.stage_dir("serve").mkdir(parents=True)
         (cfg.stage_dir("serve") / "server.json").write_text(json.dumps({"pid": old.pid, "url": "http://127.0.0.1:8765",
                                                                          "running": True}))
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "serve", "stop", "--set", f"runs_dir={tmp_path}"],
+        out = subprocess.run([sys.executable, "-m", "glm_lora.flows.cli", "serve", "stop", "--set", f"runs_dir={tmp_path}"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and f"stopped the old serve stage's server pid {old.pid}" in out.stdout, out.stderr
         assert old.wait(timeout=30) is not None

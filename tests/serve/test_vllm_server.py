@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs import load_config
-from data.tokenizer import load_tokenizer
-from serve import deploy
-from serve import vllm_server as vs
+from glm_lora.configs import load_config
+from glm_lora.data.tokenizer import load_tokenizer
+from glm_lora.serve import deploy
+from glm_lora.serve import vllm_server as vs
 from serve_helpers import NEEDS_VLLM_AND_NGINX, build_export, free_port
 
 pytestmark = NEEDS_VLLM_AND_NGINX
@@ -48,11 +48,11 @@ def test_vllm_serves_our_glm_export_and_its_adapter(tmp_path: Path, arch: str) -
     import transformers
     from peft import PeftModel
 
-    from data.tokenizer import end_of_turn_ids
-    from model.adapters import apply_adapter
-    from model.hf import HF_ARCHITECTURES, load_hf
-    from serve.smoke import ask
-    from serve.stage import serve
+    from glm_lora.data.tokenizer import end_of_turn_ids
+    from glm_lora.model.adapters import apply_adapter
+    from glm_lora.model.hf import HF_ARCHITECTURES, load_hf
+    from glm_lora.serve.smoke import ask
+    from glm_lora.serve.stage import serve
 
     t0 = time.monotonic()
     export = build_export(tmp_path, arch)

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-import artifacts
-from artifacts import build
-from configs import load_config
-from tasks.cache import reusable, stage_key
-from tasks.table import STAGES
+from glm_lora import artifacts
+from glm_lora.artifacts import build
+from glm_lora.configs import load_config
+from glm_lora.tasks.cache import reusable, stage_key
+from glm_lora.tasks.table import STAGES
 
 STAGE_INPUTS = [s for s in STAGES if STAGES[s].cached]
 
@@ -195,9 +195,10 @@ def _module_file(name: str) -> Path | None:
 
 
 def _imported_packages(entry: str) -> set[str]:
-    """Our top-level packages reachable from `entry` through import statements (transitively)."""
+    """Our top-level packages reachable from `entry` through import statements (transitively); module names
+    without the installed namespace (glm_lora.engine.sft → engine.sft)."""
     import ast
-    seen, todo, pkgs = set(), [entry], set()
+    seen, todo, pkgs = set(), [entry.removeprefix("glm_lora.")], set()
     while todo:
         name = todo.pop()
         f = _module_file(name)
@@ -212,6 +213,7 @@ def _imported_packages(entry: str) -> set[str]:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             else:
                 continue
+            targets = [t.removeprefix("glm_lora.") for t in targets]
             todo += [t for t in targets if t.split(".")[0] in OUR_PACKAGES]
     return pkgs
 

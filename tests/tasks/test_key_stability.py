@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from configs import load_config
-from tasks.cache import key_parts
-from tasks.table import STAGES
+from glm_lora.configs import load_config
+from glm_lora.tasks.cache import key_parts
+from glm_lora.tasks.table import STAGES
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "key_parts_deefde7.json").read_text())
 ADDED = {"router_aux_loss",        # TrainConfig (every training section), for MoE router health (issue 25)

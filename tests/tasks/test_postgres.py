@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.local_server import local_prefect_server
+from glm_lora.flows.local_server import local_prefect_server
 from tests.reliability.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ RUN_AND_READ_BACK = """
 import sys, time
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from flows.glm_lora import glm_lora
+from glm_lora.flows.glm_lora import glm_lora
 state = glm_lora(config=sys.argv[1], return_state=True)
 assert state.is_completed(), state
 with get_client(sync_client=True) as client:

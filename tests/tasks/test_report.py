@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from tasks import report
+from glm_lora.tasks import report
 
 EVAL = {"exact_match": 0.5, "chrf": 0.7, "per_family": {"add_en": 0.25, "copy_en": 0.75},
         "chrf_per_family": {"add_en": 0.5, "copy_en": 0.9}, "n_per_family": {"add_en": 4, "copy_en": 4},

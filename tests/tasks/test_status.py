@@ -1,4 +1,4 @@
-"""`python -m flows.cli status`: per stage, reused or not, and if not which part of its key changed."""
+"""`python -m glm_lora.flows.cli status`: per stage, reused or not, and if not which part of its key changed."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import artifacts
-from configs import load_config
-from tasks import cache
-from tasks.cache import build_stage, status
-from tasks.table import chain, upstream
+from glm_lora import artifacts
+from glm_lora.configs import load_config
+from glm_lora.tasks import cache
+from glm_lora.tasks.cache import build_stage, status
+from glm_lora.tasks.table import chain, upstream
 from tests.reliability.conftest import write_config
 
 CHAT = [{"conversations": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": w}]}

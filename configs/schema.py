@@ -240,6 +240,42 @@ class DPOConfig(TrainConfig):
         return self
 
 
+class RLConfig(TrainConfig):
+    """The optional online RL stage `rl` (GRPO, engine/rl.py): a fresh LoRA on the DPO model (the SFT model with
+    dpo off), trained on its own sampled answers to the SFT prompts, scored by reward functions.
+
+    Each optimizer step draws `batch_size` prompts, samples `group_size` answers to each (temperature sampling with
+    a KV cache, seeded by step: a resumed stage draws the same answers), scores them with `rewards` and normalises
+    each group's summed reward to advantages (r − mean) / (std + 1e-4); the loss is GRPO's clipped-ratio objective
+    with one update per rollout (the ratio is 1, so the step is the policy gradient with those advantages), plus
+    `kl_beta` times the k3 estimate of KL to the reference (the same weights with this adapter off)."""
+
+    enabled: bool = False                 # off in the tiny default; on: the DAG runs it after dpo and exports it
+    lora: LoRAConfig = LoRAConfig()
+    group_size: int = Field(8, ge=2)      # answers sampled per prompt (G)
+    max_new_tokens: int = Field(24, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    # Reward functions, summed: built-ins (engine/rewards.py: exact_match, format) or "package.module:function",
+    # called as fn(completion, reference=..., prompt=..., task=..., finished=...) -> float.
+    rewards: list[str] = Field(["exact_match"], min_length=1)
+    families: list[str] = []              # sample prompts of these task families only ("task" field); [] = all
+    clip_epsilon: float = Field(0.2, gt=0, lt=1)
+    kl_beta: float = Field(0.0, ge=0)     # 0: no KL term and no reference forward (DAPO, Dr. GRPO drop it too)
+    # grpo: each answer's mean token loss, averaged over answers (the paper); token: every answer token weighs the
+    # same over the whole batch (DAPO's token-level loss: long answers are not under-weighted).
+    loss_type: Literal["grpo", "token"] = "grpo"
+
+    @model_validator(mode="after")
+    def _online(self):
+        if self.eval_every:
+            raise ValueError("rl.eval_every must be 0: the RL stage has no held-out loss (its held-out view is the "
+                             "exact match after training, eval.enabled)")
+        if self.lora.modules_to_save:
+            raise ValueError("rl.lora.modules_to_save must be empty: the KL reference is the same weights with the "
+                             "adapter switched off")
+        return self
+
+
 class CheckpointConfig(Section):
     """Training checkpoints under runs/<run>/checkpoints/<stage>-<config hash>/ (see engine/checkpoint.py)."""
 
@@ -372,6 +408,7 @@ class Config(Section):
     pretrain: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     dpo: DPOConfig = DPOConfig(lr=5e-5)
+    rl: RLConfig = RLConfig(lr=2e-4, batch_size=8, prefetch=0)
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     serve: ServeConfig = ServeConfig()

@@ -28,13 +28,16 @@ log = logging.getLogger("glm_lora.adapter")
 
 LoadModel = Callable[[dict[str, Path]], Decoder]                  # the stage's inputs → its starting model
 Evaluate = Callable[[Config, Decoder, object, Path], dict]        # (cfg, trained model, tokenizer, data dir)
+Batches = Callable[[StageData, Decoder, object], object]          # (data, model, runtime) → fit's data source
 
 
 def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage: str, load_model: LoadModel,
-                  loss: Callable, evaluate: Evaluate) -> dict:
+                  loss: Callable, evaluate: Evaluate, batches: Batches | None = None) -> dict:
     """Train a fresh LoRA adapter (config section `cfg.<stage>`) on the model `load_model(inputs)` gives,
     with `loss(model, batch) -> (loss, metrics)`; save it to `out_dir` and return the stage's metrics
-    (`evaluate`'s under "eval" when eval.enabled). Under torchrun only rank 0 evaluates and saves."""
+    (`evaluate`'s under "eval" when eval.enabled). Batches come from the stage's token store, or from
+    `batches(data, model, rt)` (the RL stage's rollouts of the model being trained). Under torchrun only rank 0
+    evaluates and saves."""
     tc = getattr(cfg, stage)
     rt = setup(cfg, tc.seed)            # seeds before the model is built: the adapter's init is reproducible
     data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
@@ -44,7 +47,8 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     low_precision = _frozen_gemm_weights_in_compute_dtype(model, cfg, stage, rt)
     log.info("%s: %.3fM trainable of %.2fM", stage, model.num_params(True) / 1e6, model.num_params() / 1e6)
     health = RouterHealth(model, tc.router_aux_loss, stage)         # mixture of experts: routing per step
-    metrics = fit(stage, cfg, tc, model, health.wrap(loss) if health else loss, data, list(inputs.values()), rt,
+    source = batches(data, model, rt) if batches else data
+    metrics = fit(stage, cfg, tc, model, health.wrap(loss) if health else loss, source, list(inputs.values()), rt,
                   out_dir, window_metrics=health.end_window if health else None)
     if health:
         metrics["router"] = health.summary()

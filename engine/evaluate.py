@@ -156,40 +156,69 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
 
     `eos_id`: the token id(s) that end an answer (data.tokenizer.end_of_turn_ids: a chat template may
     end a turn with several, e.g. GLM-4's <|user|> and <|endoftext|>); the stop token is kept as the
-    answer's last token. Rows are right-padded: one causal forward over the prompts fills the cache (a real
-    token never sees the padding after it) and gives each row's first token at its own last position; then
-    each step feeds every row's newest token at its own position (model.KVCache). Prompts are sorted by
-    length so a batch wastes little width; a finished row stays in its batch (one token a step, cheap) until
-    the batch is done. A prompt that would outgrow model.config.max_seq_len is decoded one token at a time
+    answer's last token. Batches are decoded with a KV cache (_decode_batch); prompts are sorted by
+    length so a batch wastes little width. A prompt that would outgrow model.config.max_seq_len is decoded one token at a time
     with the context cropped as Decoder.generate crops it; so the output equals model.generate's, prompt by
     prompt (tests/engine/test_evaluate.py; up to fp32 rounding of the cached attention, which changes no
     argmax there).
     """
     stop = _stop_set(eos_id)
-    device = _device(model)
-    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     out, batches = _cropped_then_batches(model, prompts, max_new_tokens, stop, batch_size)
     for idx in batches:
-        lens = torch.tensor([len(prompts[i]) for i in idx], device=device)
-        width = int(lens.max())
-        buf = torch.zeros(len(idx), width, dtype=torch.long, device=device)
-        for r, i in enumerate(idx):
-            buf[r, :len(prompts[i])] = torch.tensor(prompts[i])
-        cache = KVCache(width + max_new_tokens)
-        positions = torch.arange(width, device=device).expand(len(idx), width)
-        hidden = model.hidden_states(buf, positions, cache=cache)                   # (A, W, C)
-        last = hidden[torch.arange(len(idx), device=device), lens - 1]              # (A, C)
-        running = torch.ones(len(idx), dtype=torch.bool, device=device)
-        for step in range(max_new_tokens):
-            nxt = model.lm_head(last).argmax(-1)                                    # (A,)
-            for r, (t, live) in enumerate(zip(nxt.tolist(), running.tolist())):
-                if live:
-                    out[idx[r]].append(t)
-            running &= ~torch.isin(nxt, stop_ids)
-            if step == max_new_tokens - 1 or not running.any():
-                break
-            last = model.hidden_states(nxt[:, None], lens[:, None], cache=cache)[:, 0]     # (A, C)
-            lens += 1
+        for i, answer in zip(idx, _decode_batch(model, [prompts[i] for i in idx], max_new_tokens, stop,
+                                                lambda logits: logits.argmax(-1))):
+            out[i] = answer
+    return out
+
+
+def sample_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: "int | Iterable[int] | None",
+                  temperature: float, generator: torch.Generator, batch_size: int = 64) -> list[list[int]]:
+    """Like greedy_decode, but each token drawn from softmax(logits / temperature) with `generator` (the RL stage's
+    rollouts: the same generator state draws the same answers). Every prompt must leave room for max_new_tokens
+    within model.config.max_seq_len (no cropping: a sampled answer is scored against its whole prompt)."""
+    limit = model.config.max_seq_len - max_new_tokens + 1
+    if any(len(p) > limit for p in prompts):
+        raise ValueError(f"sample_decode: a prompt is longer than {limit} tokens (max_seq_len - max_new_tokens + 1)")
+
+    def draw(logits):
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    stop, out = _stop_set(eos_id), []
+    for s in range(0, len(prompts), batch_size):
+        out += _decode_batch(model, prompts[s:s + batch_size], max_new_tokens, stop, draw)
+    return out
+
+
+def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], pick) -> list[list[int]]:
+    """One batch of prompts decoded together with a KV cache; `pick(logits (A, V)) -> (A,)` chooses each token.
+    Rows are right-padded: one causal forward over the prompts fills the cache (a real token never sees the
+    padding after it) and gives each row's first token at its own last position; then each step feeds every row's
+    newest token at its own position (model.KVCache). A finished row stays in the batch (one token a step, cheap)
+    until the batch is done."""
+    device = _device(model)
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    out: list[list[int]] = [[] for _ in prompts]
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    width = int(lens.max())
+    buf = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        buf[r, :len(p)] = torch.tensor(p)
+    cache = KVCache(width + max_new_tokens)
+    positions = torch.arange(width, device=device).expand(len(prompts), width)
+    hidden = model.hidden_states(buf, positions, cache=cache)                       # (A, W, C)
+    last = hidden[torch.arange(len(prompts), device=device), lens - 1]              # (A, C)
+    running = torch.ones(len(prompts), dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        nxt = pick(model.lm_head(last))                                             # (A,)
+        for r, (t, live) in enumerate(zip(nxt.tolist(), running.tolist())):
+            if live:
+                out[r].append(t)
+        running &= ~torch.isin(nxt, stop_ids)
+        if step == max_new_tokens - 1 or not running.any():
+            break
+        last = model.hidden_states(nxt[:, None], lens[:, None], cache=cache)[:, 0]     # (A, C)
+        lens += 1
     return out
 
 
@@ -301,14 +330,17 @@ def answer_metrics(model, tok, rows: list[dict], *, seq_len: int, batch_rows: in
 
 # ---------------------------------------------------------------- preferences
 
-def _pair_logprobs(model, source: _Examples, batch_pairs: int) -> torch.Tensor:
-    """Summed answer log-probs, (pairs, 2) = (chosen, rejected), over padded batches in order."""
-    n, out, device = len(source) // 2, [], _device(model)
+def _pair_logprobs(model, source: _Examples, batch_pairs: int, counts: bool = False):
+    """Summed answer log-probs, (pairs, 2) = (chosen, rejected), over padded batches in order (with `counts`:
+    and the answer token counts, same shape)."""
+    n, out, lengths, device = len(source) // 2, [], [], _device(model)
     for start in range(0, n, batch_pairs):
         stop = min(start + batch_pairs, n)
         batch = next(padded_batches(source, iter(range(start, stop)), batch_size=stop - start, group_size=2))
-        out.append(group_logprobs(model, to_device(batch, device))[0].float().cpu())
-    return torch.cat(out)
+        sums, count = group_logprobs(model, to_device(batch, device))
+        out.append(sums.float().cpu())
+        lengths.append(count.cpu())
+    return (torch.cat(out), torch.cat(lengths)) if counts else torch.cat(out)
 
 
 def _with_reference(model, ref_model, score):
@@ -355,7 +387,9 @@ def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *
     answer tokens as in PreferenceLoss; pi_ref is `ref_model` if given, else this model with its LoRA
     adapter disabled. implicit_reward_accuracy = share of pairs with r_chosen > r_rejected
     (strictly: an untrained adapter scores 0), mean_margin = mean(r_chosen - r_rejected).
-    logprob_accuracy = share with log pi(chosen) > log pi(rejected), meaningful for any model.
+    logprob_accuracy = share with log pi(chosen) > log pi(rejected), meaningful for any model;
+    log_odds_ratio = ORPO's reference-free measure, the mean of log odds(chosen) − log odds(rejected) with the
+    odds p / (1 − p) of p = an answer's per-token mean probability (as ORPO's loss and TRL define it).
     Without a reference (no LoRA layers, no ref_model) the implicit-reward entries are None.
     Pairs are tokenised like DPO training data (each answer within seq_len // 2, truncated).
     """
@@ -364,15 +398,23 @@ def preference_metrics(model, tok, pairs: list[tuple[list[dict], dict, dict]], *
     if not examples:
         raise ValueError(f"preference_metrics: no pair left to evaluate ({report.dropped})")
     source = _Examples(examples)
-    policy, ref = _with_reference(model, ref_model, lambda m: _pair_logprobs(m, source, batch_pairs))
+    (policy, counts), ref = _with_reference(model, ref_model, lambda m: _pair_logprobs(m, source, batch_pairs, True))
     out = {"logprob_accuracy": float((policy[:, 0] > policy[:, 1]).float().mean()), "n": len(policy),
-           "dropped": len(pairs) - len(policy), "implicit_reward_accuracy": None, "mean_margin": None}
+           "dropped": len(pairs) - len(policy), "implicit_reward_accuracy": None, "mean_margin": None,
+           "log_odds_ratio": _mean_log_odds_ratio(policy, counts)}
     if ref is not None:
-        rewards = beta * (policy - ref)
+        rewards = beta * (policy - ref[0])
         margin = rewards[:, 0] - rewards[:, 1]
         out.update(implicit_reward_accuracy=float((margin > 0).float().mean()), mean_margin=float(margin.mean()),
                    chosen_reward=float(rewards[:, 0].mean()), rejected_reward=float(rewards[:, 1].mean()))
     return out
+
+
+def _mean_log_odds_ratio(sums: torch.Tensor, counts: torch.Tensor) -> float:
+    """Mean over pairs of log odds(chosen) − log odds(rejected) from summed log-probs and token counts (pairs, 2)."""
+    avg = (sums / counts.clamp(min=1)).clamp(max=-1e-6)
+    log_odds = avg - torch.log(-torch.expm1(avg))
+    return float((log_odds[:, 0] - log_odds[:, 1]).mean())
 
 
 def rejected_match_rate(model, tok, pairs: list[tuple[list[dict], dict, dict]], *, max_new_tokens: int = 24,

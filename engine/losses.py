@@ -150,3 +150,52 @@ class PreferenceLoss:
                       "undesirable_reward": (self.beta * r * bad).sum().detach() / bad.sum().clamp(min=1),
                       "preference_accuracy": ((r > z0) == desirable).float().mean().detach()}
 
+
+
+def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *, clip_epsilon: float,
+                    ref_logp: torch.Tensor | None = None, kl_beta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's per-token loss (DeepSeekMath eq. 3): −min(ρ·A, clip(ρ, 1 ± ε)·A) + β·KL, with ρ = π/π_old per token,
+    A the answer's advantage (broadcast over its tokens) and KL the k3 estimator exp(r − l) − (r − l) − 1 of the
+    policy's divergence from the reference (l, r: policy and reference log-probs). Returns (loss, kl) per token."""
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon) * advantages)
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1
+    return -surrogate + kl_beta * kl, kl
+
+
+class GRPOLoss:
+    """The RL stage's loss on a batch of sampled answers (engine/rollouts.py): padded rows prompt + answer, labels on
+    the answer tokens, one advantage per row. One update per rollout: π_old is the policy that sampled, i.e. these
+    weights detached (ρ = 1, its gradient the policy gradient). `loss_type` grpo averages each answer's tokens, then
+    the answers; token averages every answer token of the batch alike (DAPO). The batch's rollout statistics
+    (`rollout_*` tensors) are passed through as metrics so they land in the step's log line."""
+
+    def __init__(self, clip_epsilon: float = 0.2, kl_beta: float = 0.0, loss_type: str = "grpo"):
+        self.clip_epsilon, self.kl_beta, self.loss_type = clip_epsilon, kl_beta, loss_type
+
+    @classmethod
+    def of(cls, tc) -> "GRPOLoss":
+        """From an RLConfig section."""
+        return cls(tc.clip_epsilon, tc.kl_beta, tc.loss_type)
+
+    def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
+        hidden, labels = _shifted(model, batch)
+        logp = kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels)       # (B, T-1)
+        ref = None
+        if self.kl_beta:
+            with torch.no_grad(), lora_disabled(model):
+                h, _ = _shifted(model, batch)
+                ref = kernels.linear_token_logprobs(h, model.lm_head.weight, labels)
+        mask = (labels != IGNORE).to(logp.dtype)
+        per_token, kl = grpo_token_loss(logp, logp.detach(), batch["advantages"][:, None].to(logp.dtype),
+                                        clip_epsilon=self.clip_epsilon, ref_logp=ref, kl_beta=self.kl_beta)
+        tokens = mask.sum(1).clamp(min=1)
+        if self.loss_type == "token":
+            loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+        else:
+            loss = ((per_token * mask).sum(1) / tokens).mean()
+        rollout = {k[len("rollout_"):]: v for k, v in batch.items() if k.startswith("rollout_")}
+        return loss, {"loss": loss.detach(), "kl": ((kl * mask).sum() / mask.sum().clamp(min=1)).detach(), **rollout}

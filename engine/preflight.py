@@ -22,6 +22,7 @@ from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
 from glm_lora.data.tokenizer import load_tokenizer
 from glm_lora.model.hf import check_tokenizer_fits, check_weights, read_hf_config
+from glm_lora.engine import rewards
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig
 
@@ -31,6 +32,7 @@ log = logging.getLogger("glm_lora.preflight")
 def preflight(cfg: Config) -> None:
     check_user_paths(cfg.data)
     _check_preference_rows(cfg)
+    _check_rl(cfg)
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     if cfg.base_model is None:
         _check_lora(cfg, DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1}))
@@ -56,8 +58,15 @@ def preflight(cfg: Config) -> None:
 def _check_lora(cfg: Config, layout: DecoderConfig) -> None:
     """Each LoRA stage's targets exist in the layout, fit the experts' rules and (nf4) split into whole blocks:
     model/lora.py's own checks on a model of this layout on the meta device."""
-    for section, lora in (("sft.lora", cfg.sft.lora), ("dpo.lora", cfg.dpo.lora)):
+    for section, lora in (("sft.lora", cfg.sft.lora), ("dpo.lora", cfg.dpo.lora)) + (
+            (("rl.lora", cfg.rl.lora),) if cfg.rl.enabled else ()):
         check_lora(layout, lora, section)
+
+
+def _check_rl(cfg: Config) -> None:
+    """The RL stage's reward functions import and exist, before any stage trains."""
+    if cfg.rl.enabled:
+        rewards.resolve(cfg.rl.rewards)
 
 
 def _check_memory(cfg: Config, layout: DecoderConfig) -> None:

@@ -4,9 +4,11 @@
                                 model's layout (LlamaForCausalLM, Qwen2/Qwen3ForCausalLM, GlmForCausalLM,
                                 Glm4ForCausalLM: model/hf.py)
     <out>/sft_merged/           base + SFT merged: the DPO adapter's base
-    <out>/merged/               base + SFT + DPO merged: what gets served
-    <out>/adapters/sft/         PEFT LoRA adapter on base/        (base_model_name_or_path "../../base")
-    <out>/adapters/dpo/         PEFT LoRA adapter on sft_merged/  (base_model_name_or_path "../../sft_merged")
+    <out>/dpo_merged/           rl.enabled only: base + SFT + DPO merged, the RL adapter's base
+    <out>/merged/               base + SFT + DPO (+ RL) merged: the final model
+    <out>/adapters/sft/         PEFT LoRA adapter on base/        (base_model_name_or_path: <export>/base)
+    <out>/adapters/dpo/         PEFT LoRA adapter on sft_merged/  (base_model_name_or_path: <export>/sft_merged)
+    <out>/adapters/rl/          rl.enabled only: PEFT LoRA adapter on dpo_merged/
     <out>/adapters/sft-vllm/    GLM-4-0414 (Glm4ForCausalLM) only: the same adapters with the fused
     <out>/adapters/dpo-vllm/    mlp.gate_up_proj LoRA split into gate_proj + up_proj, the only form
                                 vLLM's native Glm4 accepts (it packs gate_proj/up_proj into its own
@@ -25,16 +27,17 @@
     <out>/compare.md            fixed prompts answered by the pretrain, SFT and DPO models
 
 Every directory has a model card (README.md with the Hugging Face metadata header, export/model_card.py).
-An adapter's base is a real directory of this export, named by a path relative to the adapter, so a
-copied run directory still loads: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
-adapter / base_model_name_or_path), adapter)`. An adapter's adapter_config.json lists the projections it holds ("all-linear" in our config resolved
+An adapter's base is a real directory of this export, named by its absolute path where the export is
+published, so `AutoPeftModelForCausalLM.from_pretrained(adapter)` works from any working directory; a copied or
+moved export is pointed at its own directories by `relocate` (`glm-lora relocate DIR`). An adapter's adapter_config.json lists the projections it holds ("all-linear" in our config resolved
 to the layout's names), so PEFT and vLLM see exactly the modules the weights belong to. An adapter with
 modules_to_save (the tiny default's SFT: embed_tokens, lm_head) loads in PEFT; vLLM refuses those in
 either form (NOTES.md).
 
 How the glm-lora server serves an export (serve/deploy.py `serving_plan`): vLLM loads sft_merged/, served as
 `<name>-sft`; the DPO adapter (no modules_to_save: DPO trains LoRA only) on it is the final model, served
-as `<name>` and `<name>-dpo` — each adapter on its proper base, and the SFT stage in its merged form,
+as `<name>` and `<name>-dpo` (with an RL adapter: dpo_merged/ as `<name>-dpo`, the RL adapter on it as `<name>`
+and `<name>-rl`) — each adapter on its proper base, and the SFT stage in its merged form,
 which vLLM serves whatever the SFT adapter trained in full. The manifest records which adapters vLLM
 can take and in which form (`adapters`: model/adapters.py `served_form`, what the server reads) and each
 model card says how it is served.
@@ -183,34 +186,39 @@ def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype)
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
     """The export stage (tasks/table.py): built in `out_dir` (a staging directory), published as the run's export."""
     return export(cfg, inputs["base"], inputs["sft"], inputs["dpo"], inputs["tokenizer"], out_dir,
-                  published_as=cfg.stage_dir("export"))
+                  published_as=cfg.stage_dir("export"), rl_dir=inputs.get("rl"))
 
 
 def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_dir: Path, out_dir: Path,
-           published_as: Path | None = None) -> dict:
+           published_as: Path | None = None, rl_dir: Path | None = None) -> dict:
     """Write the export into `out_dir`; the adapters name their bases by absolute path under `published_as` (where
-    out_dir ends up; default out_dir itself), so PEFT's one-liners load them from any working directory."""
+    out_dir ends up; default out_dir itself), so PEFT's one-liners load them from any working directory. With
+    `rl_dir` (the RL stage ran) the final model merged/ holds the RL adapter too, on dpo_merged/."""
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     home = Path(published_as or out_dir).resolve()
     tok = load_tokenizer(tokenizer_dir)
     dtype = DTYPES[cfg.serve.dtype]
-    models = {"pretrain": load_policy(base_dir), "sft": load_policy(base_dir, sft_dir),
-              "dpo": load_policy(base_dir, sft_dir, dpo_dir)}
-    for name, sub in (("pretrain", "base"), ("sft", "sft_merged"), ("dpo", "merged")):
+    chain = {"sft": (Path(sft_dir), "base"), "dpo": (Path(dpo_dir), "sft_merged")}
+    if rl_dir is not None:
+        chain["rl"] = (Path(rl_dir), "dpo_merged")
+    models = {"pretrain": load_policy(base_dir)}
+    for k, stage in enumerate(chain):
+        models[stage] = load_policy(base_dir, *[d for d, _ in list(chain.values())[:k + 1]])
+    stages = list(chain)                  # each stage's model is saved merged where the next one's adapter sits
+    saved = {"pretrain": "base", **{s: chain[nxt][1] for s, nxt in zip(stages, stages[1:])}, stages[-1]: "merged"}
+    for name, sub in saved.items():
         _save_hf(models[name], tok, tokenizer_dir, out_dir / sub, dtype)
     if cfg.eval.enabled and cfg.eval.compare_prompts:
         (out_dir / COMPARE).write_text(compare_report(models, tok, cfg.eval.compare_prompts, cfg.eval.max_new_tokens))
     arch = models["pretrain"].config.arch
     moe = models["pretrain"].config.layout.moe
-    split = write_peft_adapter(Path(sft_dir), out_dir / "adapters" / "sft", str(home / "base"),
-                               vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
-    write_peft_adapter(Path(dpo_dir), out_dir / "adapters" / "dpo", str(home / "sft_merged"),
-                       vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
-    evals = collect_eval(base_dir=base_dir, sft=sft_dir, dpo=dpo_dir)
-    _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), split)
+    splits = [write_peft_adapter(d, out_dir / "adapters" / stage, str(home / base),
+                                 vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
+              for stage, (d, base) in chain.items()]
+    evals = collect_eval(base_dir=base_dir, **{stage: d for stage, (d, _) in chain.items()})
+    _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), splits[0], rl="rl" in chain)
     return {"dtype": cfg.serve.dtype, "architecture": arch,
-            "adapters": {n: served_form(out_dir, f"adapters/{n}", moe) for n in ("sft", "dpo")}, "eval": evals}
-
+            "adapters": {n: served_form(out_dir, f"adapters/{n}", moe) for n in chain}, "eval": evals}
 
 
 def relocate(export_dir: Path) -> dict[str, str]:
@@ -245,35 +253,51 @@ def _datasets(stage_dir: Path) -> list[str]:
                    for split, e in splits.items() if not split.endswith("_eval")})
 
 
-def _model_cards(cfg: Config, out_dir: Path, arch: str, evals: dict, datasets: list[str], split: bool) -> None:
+def _model_cards(cfg: Config, out_dir: Path, arch: str, evals: dict, datasets: list[str], split: bool,
+                 rl: bool = False) -> None:
     pick = lambda *stages: {s: evals[s] for s in stages if s in evals}   # noqa: E731
     card = dict(architecture=arch, run_name=cfg.run_name, datasets=datasets)
     run = cfg.run_name
+    adapters = ("sft", "dpo", "rl") if rl else ("sft", "dpo")
+    last, before = adapters[-1], adapters[-2]
+    parent = f"{before}_merged"                                      # the last adapter's base, what vLLM loads
     write_model_card(out_dir / "base", title="base", what="The starting weights (pretrained or imported)",
                      base_model=None, adapter=False, metrics=pick("pretrain"), **card)
-    merged_only = vllm_unservable(out_dir / "adapters" / "dpo")     # then the server loads merged/ alone
+    merged_only = vllm_unservable(out_dir / "adapters" / last)     # then the server loads merged/ alone
+    served_parent = ("not served (the {} adapter is not servable on it: the server loads ../merged)".format(
+        last.upper()) if merged_only else f"the model the glm-lora server loads, served as `{run}-{before}` (and "
+        f"the {last.upper()} adapter's base: `{run}`, `{run}-{last}`)")
     write_model_card(out_dir / "sft_merged", title="sft_merged", what="The base with the SFT adapter merged in",
                      base_model="../base", adapter=False, metrics=pick("pretrain", "sft"),
-                     served_as="not served (the DPO adapter is not servable on it: the server loads ../merged)"
-                     if merged_only else f"the model the glm-lora server loads, served as `{run}-sft` (and the "
-                                         f"DPO adapter's base: `{run}`, `{run}-dpo`)", **card)
-    write_model_card(out_dir / "merged", title="merged", what="The base with the SFT and DPO adapters merged in",
-                     base_model="../sft_merged", adapter=False, metrics=pick("pretrain", "sft", "dpo"),
+                     served_as=served_parent if parent == "sft_merged" else "not served (the DPO adapter's base; "
+                     "the server loads ../dpo_merged)", **card)
+    if rl:
+        write_model_card(out_dir / "dpo_merged", title="dpo_merged", what="The base with the SFT and DPO adapters "
+                         "merged in", base_model="../sft_merged", adapter=False, metrics=pick("pretrain", "sft", "dpo"),
+                         served_as=served_parent, **card)
+    names = " and ".join(a.upper() for a in adapters)
+    write_model_card(out_dir / "merged", title="merged", what=f"The base with the {names} adapters merged in",
+                     base_model=f"../{parent}", adapter=False, metrics=pick("pretrain", *adapters),
                      served_as=f"`{run}`, loaded by the glm-lora server itself" if merged_only else
                      f"`{run}` with `serve.adapters: false`; with adapters the server answers `{run}` "
-                     "with ../sft_merged + the DPO adapter, which equals this model (the smoke test "
+                     f"with ../{parent} + the {last.upper()} adapter, which equals this model (the smoke test "
                      "checks it against this directory)", **card)
-    for name, base in (("sft", "../../base"), ("dpo", "../../sft_merged")):
+    bases = {"sft": "../../base", "dpo": "../../sft_merged", "rl": "../../dpo_merged"}
+    for name in adapters:
         dirs = [out_dir / "adapters" / name] + ([out_dir / "adapters" / f"{name}{VLLM_SUFFIX}"] if split else [])
         why = vllm_unservable(out_dir / "adapters" / name)
         instead = (f"`{run}` with ../../merged (the final model) alone" if merged_only
-                   else f"`{run}-sft` with ../../sft_merged")
-        served = (f"not as an adapter: {why}; the server answers {instead} instead"
-                  if why else f"`{run}-{name}`" + (f" and `{run}` (the final model)" if name == "dpo" else "") +
-                  f" on {base}" + (" (the -vllm form)" if split else ""))
+                   else f"`{run}-{before}` with ../../{parent}")
+        if name != last and rl:
+            served = f"merged: the server answers `{run}-dpo` with ../../dpo_merged, which holds it"
+        elif why:
+            served = f"not as an adapter: {why}; the server answers {instead} instead"
+        else:
+            served = (f"`{run}-{name}`" + (f" and `{run}` (the final model)" if name == last else "") +
+                      f" on {bases[name]}" + (" (the -vllm form)" if split else ""))
         for d in dirs:
             form = " (split gate_proj/up_proj form for vLLM)" if d.name.endswith(VLLM_SUFFIX) else ""
-            write_model_card(d, title=d.name, what=f"The {name.upper()} LoRA adapter{form}", base_model=base,
+            write_model_card(d, title=d.name, what=f"The {name.upper()} LoRA adapter{form}", base_model=bases[name],
                              adapter=True, metrics=pick(name), served_as=served, **card)
 
 

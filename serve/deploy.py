@@ -237,7 +237,7 @@ def exported_adapters(export_dir: Path) -> dict:
     made before the manifest recorded them (glm-lora ≤ deefde7) gets the same record from its files."""
     export_dir = Path(export_dir)
     recorded = read_manifest(export_dir)["metrics"].get("adapters") if (export_dir / MANIFEST).is_file() else None
-    return recorded or {n: served_form(export_dir, f"adapters/{n}") for n in ("sft", "dpo")
+    return recorded or {n: served_form(export_dir, f"adapters/{n}") for n in ("sft", "dpo", "rl")
                         if (export_dir / "adapters" / n / PEFT_CONFIG).is_file()}
 
 
@@ -247,39 +247,51 @@ CPU_MOE_LORA = ("vLLM's CPU build cannot run LoRA on a mixture-of-experts model 
                 "on a GPU); the merged model is served instead")
 
 
+# The last adapter stage an export holds → the merged directory it is trained on, the stage before it, its words.
+LAST_ADAPTER = {"rl": ("dpo_merged", "dpo", "the RL (GRPO) adapter on the DPO model", "base + SFT + DPO, merged"),
+                "dpo": ("sft_merged", "sft", "the DPO adapter on the SFT model", "base + SFT, merged")}
+
+
 def serving_plan(export_dir: Path, name: str, adapters: bool = True, device: str = "cpu") -> dict:
     """What one vLLM server serves from this export, by served model name (paths relative to export_dir).
 
     {"model": the directory vLLM loads, "final": the final model's name, "names": {served name: {"lora": the
     adapter dir vLLM loads or None (the loaded model itself), "r": its rank, "same_as": the merged directory it
     equals (what our own decoder answers with), "what": ...}}}.
-    The first name is the loaded model's: every adapter's parent in /v1/models. With `adapters` (and a
-    DPO adapter vLLM can take): sft_merged/ as `<name>-sft`, plus adapters/dpo on it as `<name>` (the final
-    model) and `<name>-dpo`; else merged/ alone as `<name>`. Which adapters vLLM can take, in which form and
+    The first name is the loaded model's: every adapter's parent in /v1/models. With `adapters` (and a last
+    adapter vLLM can take — DPO's, or RL's where the run trained one): its base merged (sft_merged/ as
+    `<name>-sft`; dpo_merged/ as `<name>-dpo` after RL), plus that adapter on it as `<name>` (the final model) and
+    `<name>-dpo` / `<name>-rl`; else merged/ alone as `<name>`. Which adapters vLLM can take, in which form and
     rank, is what the export recorded (`exported_adapters`).
     """
     export_dir = Path(export_dir)
-    final = {"lora": None, "same_as": "merged", "what": "the final model (base + SFT + DPO, merged)"}
+    record = exported_adapters(export_dir)
+    last = "rl" if "rl" in record else "dpo"
+    parent, before, what, parent_what = LAST_ADAPTER[last]
+    final = {"lora": None, "same_as": "merged", "what": "the final model (base + SFT + DPO" +
+             (" + RL" if last == "rl" else "") + ", merged)"}
     if not adapters:
         return {"model": "merged", "final": name, "names": {name: final}, "not_served": {}}
-    record = exported_adapters(export_dir)
     if device == "cpu" and any(form.get("moe") for form in record.values()):
         return {"model": "merged", "final": name, "names": {name: final},
                 "not_served": {f"adapters/{n}": CPU_MOE_LORA for n in record}}
-    dpo_form = record.get("dpo")
-    why = dpo_form["unservable"] if dpo_form else "the export has no DPO adapter"
-    if why or not (export_dir / "sft_merged" / "config.json").is_file():
+    form = record.get(last)
+    why = form["unservable"] if form else "the export has no DPO adapter"
+    if why or not (export_dir / parent / "config.json").is_file():
         return {"model": "merged", "final": name, "names": {name: final},
-                "not_served": {"adapters/dpo": why or "the export has no sft_merged/ to serve it on"}}
-    dpo = {"lora": dpo_form["vllm_dir"], "r": dpo_form["r"], "same_as": "merged"}
-    plan = {"model": "sft_merged", "final": name, "names": {
-        f"{name}-sft": {"lora": None, "same_as": "sft_merged", "what": "the SFT model (base + SFT, merged)"},
-        name: {**dpo, "what": "the final model: the DPO adapter on the SFT model"},
-        f"{name}-dpo": {**dpo, "what": "the DPO adapter on the SFT model (the same as the final model)"}},
+                "not_served": {f"adapters/{last}": why or f"the export has no {parent}/ to serve it on"}}
+    adapter = {"lora": form["vllm_dir"], "r": form["r"], "same_as": "merged"}
+    plan = {"model": parent, "final": name, "names": {
+        f"{name}-{before}": {"lora": None, "same_as": parent, "what": f"the {before.upper()} model ({parent_what})"},
+        name: {**adapter, "what": f"the final model: {what}"},
+        f"{name}-{last}": {**adapter, "what": f"{what} (the same as the final model)"}},
         "not_served": {}}
-    why_sft = record["sft"]["unservable"] if "sft" in record else None
-    if why_sft:
-        plan["not_served"]["adapters/sft"] = f"{why_sft}; its merged form sft_merged/ is served as {name}-sft"
+    if last == "rl":        # the RL adapter's base holds both earlier adapters merged
+        for other in ("sft", "dpo"):
+            plan["not_served"][f"adapters/{other}"] = f"merged into dpo_merged/, served as {name}-dpo"
+    elif record.get("sft", {}).get("unservable"):
+        plan["not_served"]["adapters/sft"] = (f"{record['sft']['unservable']}; its merged form sft_merged/ is served "
+                                              f"as {name}-sft")
     return plan
 
 

@@ -60,16 +60,26 @@ def cleaning_rows(clean: dict) -> list[dict]:
                    if clean.get(k)]
 
 
-def loss_curve(stage: str, stage_dir: Path, metrics: dict, out_png: Path) -> Path | None:
-    """Training and validation loss by step, the best step marked; None if the stage logged no steps."""
+def _logged(stage_dir: Path, key: str) -> list[dict]:
+    """The stage's logging windows (metrics.jsonl) that carry `key` and a step."""
     log = Path(stage_dir) / METRICS_FILE
     points = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
-    points = [p for p in points if "loss" in p and "step" in p]
-    if not points:
-        return None
+    return [p for p in points if key in p and "step" in p]
+
+
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def loss_curve(stage: str, stage_dir: Path, metrics: dict, out_png: Path) -> Path | None:
+    """Training and validation loss by step, the best step marked; None if the stage logged no steps."""
+    points = _logged(stage_dir, "loss")
+    if not points:
+        return None
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.8), dpi=100)
     ax.plot([p["step"] for p in points], [p["loss"] for p in points], label="training (per logging window)")
@@ -82,6 +92,37 @@ def loss_curve(stage: str, stage_dir: Path, metrics: dict, out_png: Path) -> Pat
     ax.set(xlabel="optimizer step", ylabel="loss (nats/token)", title=f"{stage}: loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def reward_curves(stage: str, stage_dir: Path, out_png: Path) -> Path | None:
+    """The RL stage's rollouts by step: reward mean ± std, KL to the reference and answer length; None if the stage
+    logged no rewards."""
+    points = _logged(stage_dir, "reward_mean")
+    if not points:
+        return None
+    plt = _pyplot()
+
+    steps = [p["step"] for p in points]
+    mean, std = [p["reward_mean"] for p in points], [p.get("reward_std", 0.0) for p in points]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
+    ax.plot(steps, mean, label="reward mean")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
+                    label="± std over sampled answers")
+    ax.set(xlabel="optimizer step", ylabel="reward", title=f"{stage}: reward per step")
+    ax.legend()
+    ax2.plot(steps, [p.get("completion_length", 0.0) for p in points], label="answer length (tokens)")
+    twin = ax2.twinx()
+    twin.plot(steps, [p.get("kl", 0.0) for p in points], color="tab:red", label="KL to the reference")
+    ax2.set(xlabel="optimizer step", ylabel="tokens", title=f"{stage}: answer length and KL")
+    twin.set_ylabel("KL (k3 estimate, per token)")
+    fig.legend(loc="lower right")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png)
@@ -141,6 +182,12 @@ def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: 
     png = loss_curve(stage, stage_dir, metrics, Path(run_dir) / "reports" / f"{stage}-loss.png")
     if png is not None:
         _image_artifact(png, f"{stage}: loss", key("loss-curve"), f"{stage}: training and validation loss")
+    if metrics.get("samples"):          # the RL stage's sampled answers with their rewards
+        create_table_artifact(metrics["samples"], key=key("rollouts"),
+                              description=f"{stage}: sampled answers of the last steps and their rewards")
+    png = reward_curves(stage, stage_dir, Path(run_dir) / "reports" / f"{stage}-rewards.png")
+    if png is not None:
+        _image_artifact(png, f"{stage}: rewards", key("rewards"), f"{stage}: reward, KL and answer length by step")
     if metrics.get("router", {}).get("layers"):
         create_table_artifact(router_rows(metrics["router"]), key=key("router"),
                               description=f"{stage}: routed tokens per expert, per MoE layer")

@@ -31,7 +31,7 @@ logging.getLogger("glm_lora").setLevel(logging.INFO)
 # A global concurrency limit (scripts/run.sh creates it with 1 slot): a manual run and the nightly, or two
 # runs of different names, never train at once on one machine. Without the limit on the server: no wait.
 TRAIN_SLOT = "glm-lora-train"
-TRAINING = ("pretrain", "sft", "dpo")
+TRAINING = ("pretrain", "sft", "dpo", "rl")
 
 
 def _compare_artifact(cfg: Config, out: Path, metrics: dict) -> None:

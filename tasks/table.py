@@ -15,7 +15,7 @@ from typing import Callable
 from glm_lora import export
 from glm_lora.configs.schema import Config
 from glm_lora.data import prepare
-from glm_lora.engine import dpo, import_base, pretrain, sft
+from glm_lora.engine import dpo, import_base, pretrain, rl, sft
 from glm_lora.serve import stage as serve_stage
 
 TRAINING_CODE = ("configs", "data", "engine", "kernels", "model")
@@ -39,6 +39,8 @@ STAGES: dict[str, Stage] = {
     "import_base": Stage(import_base.run, (), ("base_model",), TRAINING_CODE),
     "sft": Stage(sft.run, ("base", "tokenizer", "data"), ("sft", *_ENGINE), TRAINING_CODE),
     "dpo": Stage(dpo.run, ("base", "sft", "tokenizer", "data"), ("dpo", *_ENGINE), TRAINING_CODE),
+    # Optional (rl.enabled): GRPO on the DPO model; `glm-lora stage rl` runs it on a run's cached stages
+    "rl": Stage(rl.run, ("base", "sft", "dpo", "tokenizer", "data"), ("rl", *_ENGINE), TRAINING_CODE),
     "export": Stage(export.run, ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
                     ("export",) + TRAINING_CODE),
     "serve": Stage(serve_stage.run, ("export",), ("serve",), ("serve", "export") + TRAINING_CODE, cached=False),
@@ -54,10 +56,12 @@ def base_stage(cfg: Config) -> str:
 
 def chain(cfg: Config) -> list[str]:
     """The stages a run of this config executes, in order."""
-    names = ["data", "tokenizer", base_stage(cfg), "sft", "dpo", "export"]
+    names = ["data", "tokenizer", base_stage(cfg), "sft", "dpo", *(["rl"] if cfg.rl.enabled else []), "export"]
     return names + (["serve"] if cfg.serve.enabled else [])
 
 
 def upstream(name: str, cfg: Config) -> dict[str, str]:
-    """input name → the stage that provides it (resolving "base")."""
-    return {u: base_stage(cfg) if u == "base" else u for u in STAGES[name].upstream}
+    """input name → the stage that provides it (resolving "base"; the export takes the RL stage's adapter too when
+    rl.enabled)."""
+    names = STAGES[name].upstream + (("rl",) if name == "export" and cfg.rl.enabled else ())
+    return {u: base_stage(cfg) if u == "base" else u for u in names}

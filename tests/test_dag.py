@@ -247,7 +247,7 @@ import torch
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM
 export = Path(sys.argv[1])
-model = AutoPeftModelForCausalLM.from_pretrained(str(export / "adapters" / "dpo"), dtype=torch.float32).eval()
+model = AutoPeftModelForCausalLM.from_pretrained(str(export / "adapters" / sys.argv[2]), dtype=torch.float32).eval()
 merged = AutoModelForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()
 ids = torch.tensor([[5, 17, 42, 9, 3, 77, 11]])
 with torch.no_grad():
@@ -256,13 +256,14 @@ with torch.no_grad():
 """
 
 
-def _load_dpo_adapter(export: Path, cwd: Path):
-    """PEFT's one-liner on the export's DPO adapter, in a fresh process whose working directory is `cwd`."""
+def _load_dpo_adapter(export: Path, cwd: Path, adapter: str = "dpo"):
+    """PEFT's one-liner on the export's last adapter (DPO's, or RL's), in a fresh process whose working directory is
+    `cwd`; it prints the largest logit difference to merged/ and the base PEFT used."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", LOAD_DPO_ADAPTER, str(export)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", LOAD_DPO_ADAPTER, str(export), adapter], capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=env)
 
 
@@ -405,14 +406,47 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
     assert states["serve"] == "Completed" and again["matches_inprocess"] is True
 
 
-@pytest.mark.parametrize("loss, settings", [("dpo", {}), ("ipo", {}), ("simpo", {"dpo.beta": 2.0, "dpo.nll_weight": 0.0}),
-                                           ("orpo", {"dpo.orpo_lambda": 0.5}), ("kto", {})])
-def test_each_preference_loss_raises_held_out_preference_accuracy(dag, tmp_path, loss, settings):
-    """dpo.loss on the DAG's own SFT model (pretrain 60 + SFT 120 steps), 100 steps each (KTO: the training pairs
-    unpaired, each answer with its label and a mismatched twin for the KL estimate): on 200 held-out pairs
-    the implicit reward β·(log π − log π_sft) ranks chosen above rejected for clearly more than half of the pairs
-    (it is 0 at the start, where the adapter is the identity; 0.58 is 2.3 standard errors above chance — measured
-    0.625–0.645 on this model), and the likelihood ranking gets no clearly worse (measured −0.035…+0.025)."""
+def test_the_rl_stage_trains_after_dpo_is_exported_on_dpo_merged_served_and_reruns_cached(dag, tmp_path):
+    """rl.enabled (a run of its own, short): GRPO trains its adapter after DPO (rewards and sampled answers in the
+    UI), the export's final model holds it (merged/ = dpo_merged/ + the RL adapter, which PEFT's one-liner loads),
+    vLLM serves the RL adapter on dpo_merged/ with greedy parity, and a second run comes from cache, rl included."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    overrides = {**dag["overrides"], "run_name": "with-rl", "serve.port": _free_port(), "pretrain.max_steps": 20,
+                 "sft.max_steps": 20, "dpo.max_steps": 4, "rl.enabled": True, "rl.max_steps": 6, "rl.batch_size": 4,
+                 "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.families": ["add_en", "sub_en"],
+                 "rl.rewards": ["exact_match", "format"]}
+    result, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export", "serve")}
+    run_dir = Path(overrides["runs_dir"]) / "with-rl"
+    rl = json.loads((run_dir / "rl" / "manifest.json").read_text())["metrics"]
+    lines = [json.loads(x) for x in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward_mean", "reward_std", "kl", "completion_length", "reward_exact_match"} <= lines[-1].keys()
+    assert rl["samples"] and set(rl["eval"]["per_family"]) >= {"add_en", "sub_en"}
+    exported = json.loads((run_dir / "export" / "manifest.json").read_text())["metrics"]
+    assert set(exported["adapters"]) == {"sft", "dpo", "rl"} and set(exported["eval"]) == {"pretrain", "sft", "dpo", "rl"}
+    assert (run_dir / "export" / "dpo_merged" / "config.json").is_file()
+    proc = _load_dpo_adapter(run_dir / "export", tmp_path, adapter="rl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff, base_used = proc.stdout.split("MAXDIFF")[1].split()
+    assert float(diff) < 1e-4 and base_used == str((run_dir / "export" / "dpo_merged").resolve())
+    served = json.loads((run_dir / "serve" / "answer.json").read_text())
+    assert set(served["models"]) == {"with-rl", "with-rl-rl", "with-rl-dpo"}
+    assert result["matches_inprocess"] is True
+    with get_client(sync_client=True) as client:
+        found = {a.key for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            like_="with-rl-rl-")))}
+    assert {"with-rl-rl-rollouts", "with-rl-rl-rewards", "with-rl-rl-metrics", "with-rl-rl-families"} <= found
+    _, states = _run({**overrides, "serve.enabled": False})
+    assert states == {s: "Cached" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export")}
+
+
+def test_orpo_raises_its_own_held_out_preference_measure_on_a_model_that_does_not_yet_separate(dag, tmp_path):
+    """dpo.loss orpo (λ 0.5, 100 steps) on this DAG's short SFT model, whose likelihoods barely separate chosen from
+    rejected (held-out likelihood ranking ≈ 0.6): ORPO's own measure on the 200 held-out pairs, the mean log odds
+    ratio of chosen over rejected, rises (measured 0.24 → 0.31), and the likelihood ranking gets no clearly worse.
+    (On the default's strong SFT model, ranking 0.99 already, ORPO's odds term is saturated and moves nothing: the
+    other losses are checked there, tests/test_quality.py.)"""
     from glm_lora.configs import load_config
     from glm_lora.engine import dpo
     from glm_lora.engine.evaluate import preference_metrics
@@ -422,19 +456,17 @@ def test_each_preference_loss_raises_held_out_preference_accuracy(dag, tmp_path,
     from glm_lora.model.adapters import load_policy
 
     run_dir = dag["run_dir"]
-    cfg = load_config("tiny", {**dag["overrides"], "dpo.loss": loss, "dpo.max_steps": 100, "dpo.eval_every": 0,
-                               "eval.enabled": False, "runs_dir": str(tmp_path / "runs"), **settings})
+    cfg = load_config("tiny", {**dag["overrides"], "dpo.loss": "orpo", "dpo.orpo_lambda": 0.5, "dpo.max_steps": 100,
+                               "dpo.eval_every": 0, "eval.enabled": False, "runs_dir": str(tmp_path / "runs")})
     base, sft = run_dir / "pretrain", run_dir / "sft"
     dpo.run(cfg, {"base": base, "sft": sft, "tokenizer": run_dir / "tokenizer", "data": run_dir / "data"}, tmp_path)
     tok, pairs = load_tokenizer(run_dir / "tokenizer"), list(formats.read_dpo(split_path(run_dir / "data", "dpo_eval")))
     assert len(pairs) == 200
-    sft_model = load_policy(base, sft).eval()
-    beta = cfg.dpo.beta
-    before = preference_metrics(sft_model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=beta)
-    after = preference_metrics(load_policy(base, sft, tmp_path).eval(), tok, pairs, seq_len=cfg.dpo.seq_len, beta=beta,
-                               ref_model=sft_model)
-    assert after["implicit_reward_accuracy"] > 0.58, after
-    assert after["logprob_accuracy"] >= before["logprob_accuracy"] - 0.05, (after, before)   # ±0.035 is one s.e.
+    before = preference_metrics(load_policy(base, sft).eval(), tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
+    after = preference_metrics(load_policy(base, sft, tmp_path).eval(), tok, pairs, seq_len=cfg.dpo.seq_len,
+                               beta=cfg.dpo.beta)
+    assert after["log_odds_ratio"] >= before["log_odds_ratio"] + 0.02, (after, before)
+    assert after["logprob_accuracy"] >= before["logprob_accuracy"] - 0.05, (after, before)
 
 
 def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(dag, monkeypatch):

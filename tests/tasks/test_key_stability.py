@@ -31,5 +31,8 @@ def test_config_sections_of_the_key_are_unchanged(case):
     assert {"config": _without_added(parts["config"]), "user_files": parts["user_files"]} == GOLDEN[case]
 
 
+NEW_STAGES = {"rl"}                # stages added since deefde7 (issue 26's GRPO): no published key to keep
+
+
 def test_every_stage_is_covered():
-    assert {c.rsplit(":", 1)[1] for c in GOLDEN} == set(STAGES)
+    assert {c.rsplit(":", 1)[1] for c in GOLDEN} == set(STAGES) - NEW_STAGES

@@ -1,0 +1,143 @@
+"""The RL stage's batches: answers sampled from the policy being trained, scored, turned into advantages.
+
+`Rollouts` stands where the other stages' StageData stands (engine/fit.py calls `batches`): its batch stream
+draws `rl.batch_size` prompts per step from the SFT split (optionally only `rl.families`), samples
+`rl.group_size` answers to each with the current weights (engine/evaluate.sample_decode, KV cache, sampling
+generator seeded by the prompt cursor: a stage resumed from a checkpoint draws the same answers), scores them
+(engine/rewards.py) and yields one padded batch of prompt + answer rows with labels on the answers and each row's
+group-normalised advantage. The position (`data_state`) is the prompt cursor, saved with every checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config, RLConfig
+from glm_lora.data.packing import IGNORE
+from glm_lora.data.prepare import split_path
+from glm_lora.data.tokenize import cut_messages
+from glm_lora.data.tokenizer import end_of_turn_ids
+from glm_lora.engine import evaluate, rewards as reward_fns
+from glm_lora.engine.trainer import Runtime
+
+log = logging.getLogger("glm_lora.rl")
+
+ADVANTAGE_EPS = 1e-4
+SAMPLES_KEPT = 24        # sampled answers kept for the stage's UI table (the last steps')
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(prompts, G) summed rewards → (r − group mean) / (group std + ε): GRPO's group-relative advantage (a group
+    whose answers all score the same gets 0 everywhere: nothing to learn from it). The std is the sample std, ε
+    1e-4, as TRL's GRPOTrainer computes them."""
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)
+    return (rewards - mean) / (std + ADVANTAGE_EPS)
+
+
+class Rollouts:
+    def __init__(self, cfg: Config, tok, data_dir: Path, model, rt: Runtime):
+        self.tc: RLConfig = cfg.rl
+        self.tok, self.model, self.rt = tok, model, rt
+        self.rewards = reward_fns.resolve(self.tc.rewards)
+        self.stop = end_of_turn_ids(tok)
+        self.rows = self._prompts(cfg, data_dir)
+        self.samples: list[dict] = []
+        self._epoch: tuple[int, np.ndarray | None] = (-1, None)
+
+    def _prompts(self, cfg: Config, data_dir: Path) -> list[dict]:
+        rows = evaluate.read_task_rows(split_path(data_dir, "sft"), on_bad_row=cfg.data.on_bad_row,
+                                       max_line_bytes=cfg.data.max_line_bytes)
+        wanted = set(self.tc.families)
+        if wanted:
+            have = sorted({r["task"] for r in rows})
+            if wanted - set(have):
+                raise UserError(f"rl.families {sorted(wanted - set(have))} match no SFT row; families there: {have}")
+            rows = [r for r in rows if r["task"] in wanted]
+        room = min(self.tc.seq_len, self.model.config.max_seq_len) - self.tc.max_new_tokens
+        if room < 8:
+            raise UserError(f"rl.seq_len ({self.tc.seq_len}) leaves {room} prompt tokens after rl.max_new_tokens "
+                            f"({self.tc.max_new_tokens}); raise rl.seq_len")
+        out = []
+        for k, row in enumerate(rows):
+            prompt, reference = evaluate._split(row["conversations"], f"{split_path(data_dir, 'sft')}: row {k}")
+            ids = evaluate._prompt_ids(self.tok, cut_messages(self.tok, prompt, room, keep="tail"))
+            if len(ids) <= room:
+                out.append({"prompt": prompt, "reference": reference, "task": row["task"], "ids": ids})
+        if not out:
+            raise UserError(f"rl: no SFT prompt fits in rl.seq_len - rl.max_new_tokens = {room} tokens")
+        return out
+
+    # engine/fit.py's data interface ----------------------------------------------------------------------
+    def store(self, kind: str, tc, split: str | None = None):
+        return self          # prompts are read once, in __init__: nothing to tokenise into a shared cache
+
+    def batches(self, kind: str, tc: RLConfig, rank: int = 0, world_size: int = 1):
+        def make(state: dict | None) -> Iterator[dict]:
+            cursor = int(state["cursor"]) if state else 0
+            while True:
+                batch = self.rollout(cursor, rank, world_size)
+                cursor += tc.batch_size * world_size
+                batch["data_state"] = {"cursor": cursor}
+                yield batch
+        return make, {"rl_prompts": len(self.rows), "rl_rewards": list(self.rewards)}
+
+    # ------------------------------------------------------------------------------------------------------
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, np.random.default_rng([self.tc.seed, epoch]).permutation(len(self.rows)))
+        return self._epoch[1]
+
+    def _take(self, cursor: int, rank: int, world_size: int) -> list[dict]:
+        """This rank's prompts of the step starting at `cursor` (prompts drawn without replacement per epoch)."""
+        n, out = len(self.rows), []
+        for j in range(cursor + rank * self.tc.batch_size, cursor + (rank + 1) * self.tc.batch_size):
+            out.append(self.rows[int(self._order(j // n)[j % n])])
+        return out
+
+    def rollout(self, cursor: int, rank: int = 0, world_size: int = 1) -> dict:
+        tc, G = self.tc, self.tc.group_size
+        rows = self._take(cursor, rank, world_size)
+        generator = torch.Generator(device=evaluate._device(self.model)).manual_seed(
+            (tc.seed * 1_000_003 + cursor) * 1_009 + rank)
+        prompts = [r["ids"] for r in rows for _ in range(G)]
+        with evaluate._evaluating(self.model), self.rt.autocast():
+            answers = evaluate.sample_decode(self.model, prompts, max_new_tokens=tc.max_new_tokens, eos_id=self.stop,
+                                             temperature=tc.temperature, generator=generator)
+        stop = set(self.stop)
+        scores = []
+        for i, answer in enumerate(answers):
+            row = rows[i // G]
+            text = self.tok.decode(answer, skip_special_tokens=True)
+            per = reward_fns.score(self.rewards, text, reference=row["reference"], prompt=row["prompt"],
+                                   task=row["task"], finished=bool(answer) and answer[-1] in stop)
+            scores.append(per)
+            if i % G == 0:
+                self._keep({"task": row["task"], "prompt": evaluate._sample(row["prompt"][-1]["content"]),
+                            "reference": row["reference"], "answer": evaluate._sample(text), **per})
+        total = torch.tensor([sum(s.values()) for s in scores]).view(len(rows), G)
+        advantages = group_advantages(total).flatten()
+        return self._batch(prompts, answers, advantages, total, scores)
+
+    def _keep(self, sample: dict) -> None:
+        self.samples = (self.samples + [sample])[-SAMPLES_KEPT:]
+
+    def _batch(self, prompts, answers, advantages, total, scores) -> dict:
+        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        labels = torch.full((len(prompts), width), IGNORE, dtype=torch.long)
+        for r, (p, a) in enumerate(zip(prompts, answers)):
+            ids[r, :len(p) + len(a)] = torch.tensor(p + a)
+            labels[r, len(p):len(p) + len(a)] = torch.tensor(a)
+        lengths = torch.tensor([len(a) for a in answers], dtype=torch.float32)
+        per_reward = {f"rollout_reward_{name}": torch.tensor([s[name] for s in scores]).mean()
+                      for name in self.rewards}
+        return {"input_ids": ids, "labels": labels, "advantages": advantages.float(),
+                "num_tokens": int(lengths.sum()), "capacity": ids.numel(),
+                "rollout_reward_mean": total.mean(), "rollout_reward_std": total.std(unbiased=False),
+                "rollout_completion_length": lengths.mean(),
+                "rollout_flat_groups": (total.min(1).values == total.max(1).values).float().mean(), **per_reward}

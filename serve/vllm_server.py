@@ -30,6 +30,15 @@ from glm_lora.configs.errors import UserError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route localhost via a proxy
 _PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"   # modules the vLLM process imports
+_CHECKOUT = Path(__file__).resolve().parents[1]               # the repository root (glm_lora's folders)
+
+
+def vllm_pythonpath(inherited: str | None) -> str:
+    """The vLLM process's PYTHONPATH: our plugins, then the inherited entries but the checkout. A Prefect worker's
+    flow run has the repository root on PYTHONPATH (its working directory); there its folders would shadow top-level
+    packages vLLM's transformers imports (`kernels`), and glm_lora itself is not installed in vLLM's virtualenv."""
+    keep = [p for p in (inherited or "").split(os.pathsep) if p and Path(p).resolve() != _CHECKOUT]
+    return os.pathsep.join([str(_PLUGINS), *keep])
 
 
 @dataclass
@@ -192,7 +201,7 @@ def start_server(
         env["VLLM_API_KEY"] = api_key
     # Our plugins: the API-key middleware (--middleware, with a key) and the CPU LoRA fix (an entry point,
     # vllm_plugins/glm_lora_vllm_cpu_lora.py), found by vLLM through this path.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PLUGINS), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = vllm_pythonpath(env.get("PYTHONPATH"))
     log_path = Path(log_path).resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     names = served_model_name if isinstance(served_model_name, str) else served_model_name[0]

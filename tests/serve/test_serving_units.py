@@ -312,3 +312,12 @@ def test_no_flow_module_hides_a_package():
     """A Prefect worker puts the entrypoint's folder (flows/) on sys.path: flows/serve.py once hid serve/."""
     clashes = [f.name for f in (REPO / "flows").glob("*.py") if (REPO / f.stem / "__init__.py").is_file()]
     assert not clashes
+
+
+def test_the_vllm_process_never_gets_the_checkout_on_its_path(tmp_path):
+    """Under a Prefect worker the flow run's PYTHONPATH holds the repository root; passed on to vLLM, its `kernels`
+    folder shadowed the package transformers imports and vLLM died importing glm_lora (not installed there)."""
+    from glm_lora.serve.vllm_server import _PLUGINS, vllm_pythonpath
+    other = str(tmp_path)
+    assert vllm_pythonpath(os.pathsep.join([str(REPO), other, str(REPO) + "/"])) == os.pathsep.join([str(_PLUGINS), other])
+    assert vllm_pythonpath(None) == str(_PLUGINS)

@@ -286,6 +286,14 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] = "auto"      # auto: continue from the newest verified checkpoint
 
 
+class ExportConfig(Section):
+    """What the export writes besides the Hugging Face + PEFT directories."""
+
+    # GGUF files of the final model for llama.cpp / Ollama / LM Studio (stage `gguf`, export/gguf.py): any of
+    # f32, f16, bf16, q8_0 (written by gguf) and q4_0, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer); [] = none
+    gguf: list[str] = []
+
+
 class EvalConfig(Section):
     """Held-out evaluation after each training stage (engine/evaluate.py), on the *_eval splits."""
 
@@ -411,6 +419,7 @@ class Config(Section):
     rl: RLConfig = RLConfig(lr=2e-4, batch_size=8, prefetch=0)
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    export: ExportConfig = ExportConfig()
     serve: ServeConfig = ServeConfig()
     dist: DistConfig = DistConfig()
 

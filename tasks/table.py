@@ -16,6 +16,7 @@ from glm_lora import export
 from glm_lora.configs.schema import Config
 from glm_lora.data import prepare
 from glm_lora.engine import dpo, import_base, pretrain, rl, sft
+from glm_lora.export import gguf
 from glm_lora.serve import stage as serve_stage
 
 TRAINING_CODE = ("configs", "data", "engine", "kernels", "model")
@@ -43,6 +44,8 @@ STAGES: dict[str, Stage] = {
     "rl": Stage(rl.run, ("base", "sft", "dpo", "tokenizer", "data"), ("rl", *_ENGINE), TRAINING_CODE),
     "export": Stage(export.run, ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
                     ("export",) + TRAINING_CODE),
+    # Optional (export.gguf non-empty): the final model as GGUF files for llama.cpp / Ollama
+    "gguf": Stage(gguf.run, ("export",), ("export.gguf",), ("export",)),
     "serve": Stage(serve_stage.run, ("export",), ("serve",), ("serve", "export") + TRAINING_CODE, cached=False),
 }
 
@@ -56,7 +59,8 @@ def base_stage(cfg: Config) -> str:
 
 def chain(cfg: Config) -> list[str]:
     """The stages a run of this config executes, in order."""
-    names = ["data", "tokenizer", base_stage(cfg), "sft", "dpo", *(["rl"] if cfg.rl.enabled else []), "export"]
+    names = ["data", "tokenizer", base_stage(cfg), "sft", "dpo", *(["rl"] if cfg.rl.enabled else []), "export",
+             *(["gguf"] if cfg.export.gguf else [])]
     return names + (["serve"] if cfg.serve.enabled else [])
 
 

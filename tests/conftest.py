@@ -42,8 +42,14 @@ LONGEST_FIRST = ("tests/test_quality.py", "tests/serve/test_deployment.py", "tes
                  "tests/engine/test_dist.py", "tests/serve/test_vllm_server.py", "tests/engine/test_kill_resume.py")
 
 
+# Last: they wait for llama.cpp's runtime, built beside the other tests (scripts/test.sh).
+LAST = ("tests/export/test_gguf.py",)
+
+
 def pytest_collection_modifyitems(items):
     def rank(item):
         path = _module(item)
+        if path in LAST:
+            return len(LONGEST_FIRST) + 1
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)     # stable: the rest keep their order

@@ -65,7 +65,8 @@ def dag(prefect_server, tmp_path_factory):
 
 
 def test_every_stage_ran_and_vllm_matches_inprocess_greedy(dag):
-    assert dag["states"] == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "serve")}
+    assert dag["states"] == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf",
+                                                      "serve")}
     r = dag["result"]
     assert r["answer"].strip(), "vLLM returned an empty answer"
     assert r["answer"].strip() == r["inprocess_answer"].strip()
@@ -77,6 +78,22 @@ def test_every_stage_ran_and_vllm_matches_inprocess_greedy(dag):
     with pytest.raises(ProcessLookupError):
         import os
         os.kill(record["pid"], 0)
+
+
+def test_the_gguf_stage_writes_the_final_model_for_llama_cpp_and_ollama(dag):
+    """The default's export.gguf: f16 and q8_0 files of merged/ with the tokenizer and chat template inside (read
+    back with gguf's own reader; llama.cpp runs them in tests/test_quality.py and tests/export/test_gguf.py)."""
+    from gguf import GGUFReader
+    d = dag["run_dir"] / "gguf"
+    assert sorted(p.name for p in d.glob("*.gguf")) == ["tiny-f16.gguf", "tiny-q8_0.gguf"]
+    reader = GGUFReader(d / "tiny-q8_0.gguf")
+    field = lambda k: reader.fields[k].contents()      # noqa: E731
+    assert field("general.architecture") == "qwen3"
+    assert "<|im_start|>" in field("tokenizer.chat_template")
+    config = json.loads((dag["run_dir"] / "export" / "merged" / "config.json").read_text())
+    assert len(field("tokenizer.ggml.tokens")) == config["vocab_size"]
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.attn_q.weight"] == "Q8_0"
+    assert "FROM ./tiny-f16.gguf" in (d / "Modelfile").read_text()
 
 
 def test_each_stage_reports_held_out_metrics_and_pretraining_learns(dag):
@@ -304,7 +321,8 @@ def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_lo
                  "data.dpo": str(dpo), "sft.max_steps": 10, "dpo.max_steps": 4, "sft.eval_every": 5,
                  "dpo.eval_every": 2, "serve.port": _free_port()}
     result, states = _run(overrides)
-    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "serve")}
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "gguf",
+                                               "serve")}
     run_dir = Path(overrides["runs_dir"]) / "glm4-user"
     sources = json.loads((run_dir / "data" / "sources.json").read_text())["splits"]
     for split, path in (("sft", sft), ("dpo", dpo)):
@@ -385,7 +403,7 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
     base, mtp = _glm45_base(tmp_path / "glm45-base")
     overrides = {**dag["overrides"], "run_name": "glm45-user", "base_model": str(base), "data.sft": str(sft),
                  "data.dpo": str(dpo), "sft.max_steps": 8, "dpo.max_steps": 3, "sft.lora.modules_to_save": [],
-                 "serve.port": _free_port()}
+                 "export.gguf": [], "serve.port": _free_port()}      # llama.cpp's glm4moe is not written yet
     result, states = _run(overrides)
     assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "serve")}
     run_dir = Path(overrides["runs_dir"]) / "glm45-user"
@@ -417,7 +435,8 @@ def test_the_rl_stage_trains_after_dpo_is_exported_on_dpo_merged_served_and_reru
                  "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.families": ["add_en", "sub_en"],
                  "rl.rewards": ["exact_match", "format"]}
     result, states = _run(overrides)
-    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export", "serve")}
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export", "gguf",
+                                               "serve")}
     run_dir = Path(overrides["runs_dir"]) / "with-rl"
     rl = json.loads((run_dir / "rl" / "manifest.json").read_text())["metrics"]
     lines = [json.loads(x) for x in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()]

@@ -6,6 +6,7 @@ machines passes while a regression in learning (data, tokenizer, model, losses, 
 import pytest
 
 from glm_lora.configs import load_config
+from bench.quality.fresh import WEAK_FAMILIES, fresh_rows
 from glm_lora.flows.cli import run_one_stage
 
 pytestmark = pytest.mark.slow
@@ -110,22 +111,6 @@ def test_each_preference_loss_raises_held_out_preference_accuracy(default_run, t
     assert after["logprob_accuracy"] >= before["logprob_accuracy"] - FLOORS["variant_logprob_accuracy_loss"], (after, before)
 
 
-WEAK_FAMILIES = ["add_en", "add_zh", "sub_en", "sub_zh"]     # the default's lowest families (README "Answer quality")
-
-
-def _fresh_rows(run_dir, families, tmp_path):
-    """Held-out prompts of `families` drawn anew (seed 123), those in the run's SFT training file removed: ~170 per
-    family, so a few points of exact match are outside noise (sft_eval has 20 per family)."""
-    import json
-    from glm_lora.data.prepare import split_path
-    from glm_lora.data.synthetic import generate
-    from glm_lora.engine.evaluate import read_task_rows
-    files = generate(tmp_path / "fresh", seed=123, n_pretrain=3, n_sft=1, n_dpo=1, n_eval=2000)
-    seen = {json.dumps(r["conversations"][:-1]) for r in read_task_rows(split_path(run_dir / "data", "sft"))}
-    return [r for r in read_task_rows(files["sft_eval"])
-            if r["task"] in families and json.dumps(r["conversations"][:-1]) not in seen]
-
-
 def test_grpo_raises_exact_match_on_the_weakest_families(default_run, tmp_path):
     """The RL stage (GRPO, exact-match reward, sampled answers) on the default's DPO model, 200 steps on the four
     arithmetic families: held-out exact match on fresh prompts of those families rises (mean over the four), and
@@ -144,9 +129,47 @@ def test_grpo_raises_exact_match_on_the_weakest_families(default_run, tmp_path):
     out = tmp_path / "rl"
     out.mkdir()
     rl.run(cfg, inputs, out)
-    tok, rows = load_tokenizer(run_dir / "tokenizer"), _fresh_rows(run_dir, WEAK_FAMILIES, tmp_path)
+    tok, rows = load_tokenizer(run_dir / "tokenizer"), fresh_rows(run_dir, WEAK_FAMILIES, tmp_path)
     before = task_metrics(load_policy(run_dir / "pretrain", run_dir / "sft", run_dir / "dpo").eval(), tok, rows)
     after = task_metrics(load_policy(run_dir / "pretrain", run_dir / "sft", run_dir / "dpo", out).eval(), tok, rows)
     b, a = before["per_family"], after["per_family"]
     assert sum(a.values()) / 4 - sum(b.values()) / 4 >= FLOORS["rl_weak_family_gain"], (b, a)
     assert all(a[f] >= b[f] - FLOORS["rl_family_loss"] for f in WEAK_FAMILIES), (b, a)
+
+
+def test_gguf_files_answer_in_llama_cpp_as_our_decoder_does(default_run):
+    """The default's final model as GGUF (the gguf stage after export), run by llama.cpp's runtime the way a user's
+    chat client does (its chat template from the file, its own tokenizer): f16 and q8_0 answer every fixed prompt
+    as our decoder does greedily; q4_k_m (llama.cpp's own quantizer) at least the demo question."""
+    from tests.llama_runtime import llama_cpp
+    from glm_lora.data.tokenizer import load_tokenizer, prompt_ids
+    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.model.adapters import load_policy
+
+    base_cfg, _ = default_run
+    cfg = load_config("tiny", {"runs_dir": str(base_cfg.runs_dir), "serve.enabled": False,
+                               "export.gguf": ["f16", "q8_0", "q4_k_m"]})
+    run_dir = cfg.run_dir
+    export_dir = run_one_stage("export", cfg).path
+    gguf_dir = run_one_stage("gguf", cfg).path
+    tok = load_tokenizer(run_dir / "tokenizer")
+    chats = [[{"role": "user", "content": p}] for p in cfg.eval.compare_prompts]
+    ours = greedy_answers(load_policy(run_dir / "pretrain", run_dir / "sft", run_dir / "dpo").eval(), tok, chats,
+                          max_new_tokens=cfg.eval.max_new_tokens)
+    Llama = llama_cpp().Llama
+    got = {}
+    for t in ("f16", "q8_0", "q4_k_m"):
+        llm = Llama(str(gguf_dir / f"tiny-{t}.gguf"), n_ctx=512, n_threads=1, verbose=False)
+        try:
+            if t == "f16":       # llama.cpp tokenises the rendered chat as we do
+                for chat in chats:
+                    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                    assert llm.tokenize(text.encode(), add_bos=False, special=True) == prompt_ids(tok, chat), text
+            got[t] = [llm.create_chat_completion(messages=c, temperature=0.0, max_tokens=cfg.eval.max_new_tokens)
+                      ["choices"][0]["message"]["content"] for c in chats]
+        finally:
+            llm.close()
+    print("gguf answers vs ours:", {t: sum(a == b for a, b in zip(v, ours)) for t, v in got.items()}, "of", len(ours))
+    assert got["f16"] == ours and got["q8_0"] == ours, (ours, got)
+    assert got["q4_k_m"][0] == ours[0] == "19", got["q4_k_m"]
+    assert (export_dir / "merged").is_dir() and (gguf_dir / "Modelfile").is_file()

@@ -1,0 +1,23 @@
+"""Held-out prompts of the synthetic families drawn anew (seed 123, ~170 per family with n=2000), those in a run's SFT
+training file removed: enough rows that a few points of exact match are outside noise (sft_eval has 20 per family).
+Used by the GRPO quality test and the RL benches."""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from glm_lora.data.prepare import split_path
+from glm_lora.data.synthetic import generate
+from glm_lora.engine.evaluate import read_task_rows
+
+WEAK_FAMILIES = ["add_en", "add_zh", "sub_en", "sub_zh"]     # the default's lowest families (README "Answer quality")
+ALL_FAMILIES = [f"{k}_{lang}" for k in ("add", "sub", "copy", "reverse", "units") for lang in ("en", "zh")]
+
+
+def fresh_rows(run_dir: Path, families: list[str], work_dir: Path | None = None, n: int = 2000) -> list[dict]:
+    work_dir = Path(work_dir or tempfile.mkdtemp()) / "fresh"
+    files = generate(work_dir, seed=123, n_pretrain=3, n_sft=1, n_dpo=1, n_eval=n)
+    seen = {json.dumps(r["conversations"][:-1]) for r in read_task_rows(split_path(Path(run_dir) / "data", "sft"))}
+    return [r for r in read_task_rows(files["sft_eval"])
+            if r["task"] in families and json.dumps(r["conversations"][:-1]) not in seen]

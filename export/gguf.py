@@ -7,16 +7,19 @@ with `gguf`, llama.cpp's own Python writer.
 
 The tensors are renamed by gguf's own table (`gguf.get_tensor_name_map`) and the hyper-parameters written under the
 keys llama.cpp's loader reads for the architecture, as llama.cpp's convert_hf_to_gguf.py does it: Llama's q/k rows
-permuted into llama.cpp's interleaved RoPE order (Qwen2/3 use the half-split order HF uses, no permutation); norms
-and other 1-D tensors stay f32. f32/f16/bf16/q8_0 are written directly; K-quants (q4_k_m, ...) are made from the f16
+permuted into llama.cpp's interleaved RoPE order (Qwen2/3 and the GLMs need none), GLM-4.5's routed experts stacked
+per layer; norms, biases and the router stay f32. Tensors are converted and written one at a time (a temporary
+file, not memory, holds the data until the header is written). f32/f16/bf16/q8_0 are written directly; K-quants (q4_k_m, ...) are made from the f16
 file by llama.cpp's own quantizer (`llama_model_quantize`, from the llama-cpp-python package), which picks the
 per-tensor types of each mix.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +43,10 @@ class Arch:
     permute_qk: bool           # llama.cpp's LLAMA rope is interleaved: HF's half-split q/k rows are reordered
 
 
-# HF model_type → llama.cpp architecture. GLM-4 (glm, glm4, glm4_moe) is not written yet: llama.cpp's loaders for
-# them expect fused/renamed tensors this writer does not produce; refused in preflight rather than written wrong.
+# HF model_type → llama.cpp architecture (each checked against transformers' logits in llama.cpp: tests/export).
 ARCHS = {"llama": Arch("LLAMA", True), "qwen2": Arch("QWEN2", False), "qwen3": Arch("QWEN3", False),
-         "glm": Arch("CHATGLM", False), "glm4": Arch("GLM4", False)}
+         "glm": Arch("CHATGLM", False), "glm4": Arch("GLM4", False), "glm4_moe": Arch("GLM4_MOE", False)}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class GGUFError(UserError):
@@ -59,16 +62,13 @@ def check(types: list[str], model_type: str, tokenizer_dir: Path | None = None) 
     if types and model_type not in ARCHS:
         raise GGUFError(f"export.gguf: the {model_type} architecture is not written as GGUF (supported: "
                         f"{sorted(ARCHS)}); set export.gguf to []")
-    if types and tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.model").is_file():
-        raise GGUFError(f"export.gguf: {tokenizer_dir} has no tokenizer.model; only sentencepiece tokenizers are "
-                        "written as GGUF yet (byte-level BPE tokenizer.json is not); set export.gguf to []")
+    if types and tokenizer_dir is not None:
+        check_tokenizer(tokenizer_dir)
     needs_llama = [t for t in types if t in QUANTIZED]
     if needs_llama:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("llama_cpp") is None:
             raise GGUFError(f"export.gguf {needs_llama}: K-quants are made by llama.cpp's quantizer; install it with "
-                            f"`pip install llama-cpp-python` (or keep to {list(DIRECT)})") from None
+                            f"`pip install llama-cpp-python` (or keep to {list(DIRECT)})")
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -76,11 +76,28 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(hf_dir: Path):
+def _tensors(hf_dir: Path, n_layers: int, n_experts: int):
+    """(name, tensor) in HF naming, one at a time; routed experts stacked per layer and projection as llama.cpp keeps
+    them (`mlp.experts.gate_proj.weight`: (E, out, in)), each stack as soon as its experts are read; layers past
+    n_layers (GLM-4.5's MTP) left out."""
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if layer and int(layer[1]) >= n_layers:
+                    continue
+                m = EXPERT.fullmatch(name)
+                if m is None:
+                    yield name, st.get_tensor(name)
+                    continue
+                per = experts.setdefault((int(m[1]), m[3]), {})
+                per[int(m[2])] = st.get_tensor(name)
+                if len(per) == n_experts:
+                    del experts[(int(m[1]), m[3])]
+                    yield f"model.layers.{m[1]}.mlp.experts.{m[3]}.weight", torch.stack([per[e] for e in range(n_experts)])
+    if experts:
+        raise GGUFError(f"{hf_dir}: experts missing from {sorted(experts)}: each layer needs all {n_experts}")
 
 
 def _hparams(writer, cfg: dict, arch: Arch) -> None:
@@ -102,43 +119,108 @@ def _hparams(writer, cfg: dict, arch: Arch) -> None:
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(cfg["vocab_size"])
+    if "n_routed_experts" in cfg:       # GLM-4.5 (llama.cpp's glm4moe; its MTP layers are not written)
+        import gguf
+        writer.add_expert_count(cfg["n_routed_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        writer.add_expert_shared_count(cfg.get("n_shared_experts", 0))
+        writer.add_leading_dense_block_count(cfg.get("first_k_dense_replace", 0))
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(float(cfg.get("routed_scaling_factor", 1.0)))
+        writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", True)))
+        writer.add_expert_group_count(cfg.get("n_group", 1))
+        writer.add_expert_group_used_count(cfg.get("topk_group", 1))
+
+
+# A byte-level BPE tokenizer's split regex (tokenizer.json pre_tokenizer) → llama.cpp's pre-tokenizer of that regex
+# (llama-vocab.cpp): llama.cpp splits text by its own copy of the regex, so only a known one can be written.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+BPE_PRE = {_LLAMA3_SPLIT: "llama-bpe",                                   # Llama 3, GLM-4 (same split)
+           _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"): "qwen2",      # Qwen2 / 2.5 / 3: one digit a piece
+           None: "gpt2"}                                                 # ByteLevel's own GPT-2 regex
+
+
+def bpe_pre(tokenizer_json: dict, source: Path) -> str:
+    """llama.cpp's pre-tokenizer name for a byte-level BPE tokenizer.json, or a GGUFError naming what it has."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    split = [p["pattern"].get("Regex") for p in steps if p.get("type") == "Split"]
+    byte_level = [p for p in steps if p.get("type") == "ByteLevel"]
+    if tokenizer_json.get("model", {}).get("type") != "BPE" or not byte_level:
+        raise GGUFError(f"export.gguf: {source} is not a byte-level BPE or sentencepiece tokenizer")
+    key = split[0] if split else (None if byte_level[0].get("use_regex", True) else "no split")
+    if key not in BPE_PRE:
+        raise GGUFError(f"export.gguf: {source}'s pre-tokenizer split {key!r} is not one llama.cpp knows "
+                        f"(known: Llama 3 / GLM-4, Qwen2, GPT-2); set export.gguf to []")
+    return BPE_PRE[key]
+
+
+def check_tokenizer(tokenizer_dir: Path) -> None:
+    """A tokenizer the writer can put in a GGUF file: sentencepiece, or byte-level BPE with a known split."""
+    tokenizer_dir = Path(tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer.model").is_file():
+        bpe_pre(json.loads((tokenizer_dir / "tokenizer.json").read_text()), tokenizer_dir / "tokenizer.json")
+
+
+def _sentencepiece(hf_dir: Path, added: dict):
+    import gguf
+    from sentencepiece import SentencePieceProcessor
+    sp = SentencePieceProcessor(model_file=str(hf_dir / "tokenizer.model"))
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(i)
+        kind = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.UNUSED if sp.is_unused(i)
+                # sentencepiece's user-defined pieces match anywhere in the text, as llama.cpp's USER_DEFINED do
+                else gguf.TokenType.USER_DEFINED if piece in added and not added[piece][1]
+                else gguf.TokenType.NORMAL)
+        tokens.append(piece.encode("utf-8"))
+        scores.append(sp.get_score(i))
+        types.append(kind)
+    # sentencepiece's add_dummy_prefix (off in ours): whether "a" is encoded as "▁a"
+    return tokens, scores, types, sp.id_to_piece(sp.encode("a")[0]).startswith("\u2581")
+
+
+def _byte_level_bpe(hf_dir: Path, added: dict, n_vocab: int):
+    """Tokens in tokenizer.json's byte-level spelling (what llama.cpp's "gpt2" model reads); ids the tokenizer
+    leaves unused up to the model's vocab_size (Qwen pads its embedding) are [PAD<i>] placeholders."""
+    import gguf
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [gguf.TokenType.UNUSED] * n_vocab
+    for text, i in spec["model"]["vocab"].items():
+        tokens[i], types[i] = text, gguf.TokenType.NORMAL
+    for text, (i, special) in added.items():
+        tokens[i], types[i] = text, gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
+    return [t.encode("utf-8") for t in tokens], types, bpe_pre(spec, hf_dir / "tokenizer.json")
 
 
 def _vocab(writer, hf_dir: Path, n_vocab: int) -> None:
     """The tokenizer as llama.cpp reads it: a sentencepiece model ("llama": pieces, scores, types) or a byte-level
-    BPE tokenizer.json ("gpt2": tokens and merges), then special ids, add-bos/eos flags and the chat template."""
+    BPE tokenizer.json ("gpt2": tokens, merges and the pre-tokenizer), then special ids, add-bos/eos flags and the
+    chat template."""
     import gguf
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    added = {t.content: t for t in tok.added_tokens_decoder.values()}
+    added = {t.content: (i, t.special) for i, t in tok.added_tokens_decoder.items()}     # text → (id, special)
     if (hf_dir / "tokenizer.model").is_file():
-        from sentencepiece import SentencePieceProcessor
-        sp = SentencePieceProcessor(model_file=str(hf_dir / "tokenizer.model"))
-        tokens, scores, types = [], [], []
-        for i in range(sp.get_piece_size()):
-            piece = sp.id_to_piece(i)
-            kind = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
-                    else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.UNUSED if sp.is_unused(i)
-                    # sentencepiece's user-defined pieces match anywhere in the text, as llama.cpp's USER_DEFINED do
-                    else gguf.TokenType.USER_DEFINED if piece in added and not added[piece].special
-                    else gguf.TokenType.NORMAL)
-            tokens.append(piece.encode("utf-8"))
-            scores.append(sp.get_score(i))
-            types.append(kind)
+        tokens, scores, types, space_prefix = _sentencepiece(hf_dir, added)
+        if len(tokens) != n_vocab:
+            raise GGUFError(f"{hf_dir}: tokenizer has {len(tokens)} pieces, the model's vocab_size is {n_vocab}")
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
-        # sentencepiece's add_dummy_prefix (off in ours): whether "a" is encoded as "▁a"
-        writer.add_add_space_prefix(sp.id_to_piece(sp.encode("a")[0]).startswith("\u2581"))
-        load_merges = False
+        writer.add_add_space_prefix(space_prefix)
+        writer.add_token_scores(scores)
     else:
-        raise GGUFError(f"{hf_dir}: only sentencepiece tokenizers (tokenizer.model) are written as GGUF yet")
-    if len(tokens) != n_vocab:
-        raise GGUFError(f"{hf_dir}: tokenizer has {len(tokens)} pieces, the model's vocab_size is {n_vocab}")
+        tokens, types, pre = _byte_level_bpe(hf_dir, added, n_vocab)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(hf_dir, load_merges=load_merges, n_vocab=n_vocab)
-    special.add_to_gguf(writer, quiet=True)
+    gguf.SpecialVocab(hf_dir, load_merges=not (hf_dir / "tokenizer.model").is_file(), n_vocab=n_vocab) \
+        .add_to_gguf(writer, quiet=True)
 
 
 def write(hf_dir: Path, out_path: Path, gguf_type: str, name: str) -> Path:
@@ -151,7 +233,8 @@ def write(hf_dir: Path, out_path: Path, gguf_type: str, name: str) -> Path:
     arch = ARCHS[model_type]
     qtype = gguf.GGMLQuantizationType[DIRECT[gguf_type]]
     tmp = out_path.with_name(out_path.name + ".partial")
-    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf]])
+    # use_temp_file: each tensor goes to disk as it is converted, so memory holds one tensor (one layer's experts)
+    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf]], use_temp_file=True)
     writer.add_name(name)
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                           "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype.name])
@@ -160,8 +243,10 @@ def write(hf_dir: Path, out_path: Path, gguf_type: str, name: str) -> Path:
     _vocab(writer, hf_dir, cfg["vocab_size"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf], cfg["num_hidden_layers"])
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    for hf_name, t in _tensors(hf_dir):
-        new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    for hf_name, t in _tensors(hf_dir, cfg["num_hidden_layers"], cfg.get("n_routed_experts", 0)):
+        # the router's bias is `<gate>.e_score_correction_bias` in HF, `exp_probs_b.bias` in llama.cpp
+        new = names.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
+                             try_suffixes=(".weight", ".bias"))
         if new is None:
             raise GGUFError(f"{hf_dir}: tensor {hf_name} has no GGUF name for {arch.gguf}")
         t = t.float()
@@ -170,7 +255,7 @@ def write(hf_dir: Path, out_path: Path, gguf_type: str, name: str) -> Path:
         elif arch.permute_qk and hf_name.endswith("k_proj.weight"):
             t = _permute(t, kv)
         data = t.numpy()
-        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32 or hf_name.endswith("mlp.gate.weight"):
             writer.add_tensor(new, data.astype(np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(new, data.astype(np.float16))

@@ -403,9 +403,10 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
     base, mtp = _glm45_base(tmp_path / "glm45-base")
     overrides = {**dag["overrides"], "run_name": "glm45-user", "base_model": str(base), "data.sft": str(sft),
                  "data.dpo": str(dpo), "sft.max_steps": 8, "dpo.max_steps": 3, "sft.lora.modules_to_save": [],
-                 "export.gguf": [], "serve.port": _free_port()}      # llama.cpp's glm4moe is not written yet
+                 "serve.port": _free_port()}
     result, states = _run(overrides)
-    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "serve")}
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "gguf",
+                                               "serve")}
     run_dir = Path(overrides["runs_dir"]) / "glm45-user"
     assert result["matches_inprocess"] is True and result["token_ids"] == result["inprocess_token_ids"]
     export = run_dir / "export"

@@ -32,37 +32,51 @@ stamp_ok() { [ -f "$1/.glm-lora-stamp" ] && [ "$(cat "$1/.glm-lora-stamp")" = "$
 
 main_stamp=$(sha256sum pyproject.toml | cut -c1-16)
 [ "$DEVICE" = cuda ] && main_stamp="$main_stamp cuda"
-if ! stamp_ok .venv "$main_stamp"; then
-  echo "[setup] creating .venv ($DEVICE torch, prefect, transformers, peft, sentencepiece, ...)"
-  "$PY" -m venv .venv
-  .venv/bin/pip install -qq --upgrade pip
-  # torch first, pinned (CPU: the CPU wheel; CUDA: a CUDA wheel, checked below); then the project with test extras.
-  .venv/bin/pip install -qq "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-  if [ "$DEVICE" = cuda ] && ! .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
-    echo "[setup] pip chose a CPU build of torch on this CUDA host; set TORCH_INDEX_URL to a CUDA wheel index" \
-         "(e.g. PyTorch's cu128 one) and run again" >&2
-    exit 1
-  fi
-  .venv/bin/pip install -qq -e ".[test]"
-  echo "$main_stamp" > .venv/.glm-lora-stamp
-fi
-
 vllm_stamp="$VLLM_PKG $TORCH"
-if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! stamp_ok .venv-vllm "$vllm_stamp"; then
-  echo "[setup] creating .venv-vllm ($VLLM_PKG; ~3 min, ~3.4 GB on CPU)"
-  "$PY" -m venv .venv-vllm
-  .venv-vllm/bin/pip install -qq --upgrade pip
-  if [ "$DEVICE" = cuda ]; then
-    .venv-vllm/bin/pip install -qq "$VLLM_PKG"          # with the CUDA torch (and torchvision) it pins
-  else
-    .venv-vllm/bin/pip install -qq "$TORCH"
-    .venv-vllm/bin/pip install -qq "$VLLM_PKG"
-    # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break beside torch+cpu
-    # (and break vLLM's import through transformers' image utils); text models don't need them.
-    .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+# The two virtualenvs are built at the same time (mostly downloads and unpacking: the second costs little beside
+# the first); each reports its time.
+make_main() {
+  if ! stamp_ok .venv "$main_stamp"; then
+    echo "[setup] creating .venv ($DEVICE torch, prefect, transformers, peft, sentencepiece, ...)"
+    "$PY" -m venv .venv
+    .venv/bin/pip install -qq --upgrade pip
+    # torch first, pinned (CPU: the CPU wheel; CUDA: a CUDA wheel, checked below); then the project with test extras.
+    .venv/bin/pip install -qq "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+    if [ "$DEVICE" = cuda ] && ! .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
+      echo "[setup] pip chose a CPU build of torch on this CUDA host; set TORCH_INDEX_URL to a CUDA wheel index" \
+           "(e.g. PyTorch's cu128 one) and run again" >&2
+      exit 1
+    fi
+    .venv/bin/pip install -qq -e ".[test]"
+    echo "$main_stamp" > .venv/.glm-lora-stamp
+    echo "[setup] .venv made in $((SECONDS - t0)) s"
   fi
-  echo "$vllm_stamp" > .venv-vllm/.glm-lora-stamp
-fi
+}
+make_vllm() {
+  if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! stamp_ok .venv-vllm "$vllm_stamp"; then
+    echo "[setup] creating .venv-vllm ($VLLM_PKG; ~3 min, ~3.4 GB on CPU)"
+    "$PY" -m venv .venv-vllm
+    .venv-vllm/bin/pip install -qq --upgrade pip
+    if [ "$DEVICE" = cuda ]; then
+      .venv-vllm/bin/pip install -qq "$VLLM_PKG"          # with the CUDA torch (and torchvision) it pins
+    else
+      .venv-vllm/bin/pip install -qq "$TORCH"
+      .venv-vllm/bin/pip install -qq "$VLLM_PKG"
+      # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break beside torch+cpu
+      # (and break vLLM's import through transformers' image utils); text models don't need them.
+      .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+    fi
+    echo "$vllm_stamp" > .venv-vllm/.glm-lora-stamp
+    echo "[setup] .venv-vllm made in $((SECONDS - t0)) s"
+  fi
+}
+t0=$SECONDS
+make_main & main_pid=$!
+make_vllm & vllm_pid=$!
+main_rc=0; vllm_rc=0
+wait $main_pid || main_rc=$?
+wait $vllm_pid || vllm_rc=$?
+[ $main_rc = 0 ] && [ $vllm_rc = 0 ] || exit 1
 
 # nginx: the stable endpoint in front of the live vLLM server (README "Serving"). Debian's nginx-light; it
 # runs as this user with its config under runs/<run>/serving/nginx/, never the system's.

@@ -6,12 +6,12 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
-bash scripts/setup.sh
-source scripts/env.sh
-# llama.cpp's runtime builds from source beside the tests (its tests wait for it; tests/llama_runtime.py)
+# llama.cpp's runtime builds from source beside the setup and the tests (its tests wait: tests/llama_runtime.py)
 setsid bash scripts/llama_cpp.sh </dev/null >/dev/null 2>&1 &
 LLAMA_BUILD=$!
 trap 'kill -- -$LLAMA_BUILD 2>/dev/null' EXIT
+bash scripts/setup.sh
+source scripts/env.sh
 set +e
 python -m pytest -q -n "${GLM_LORA_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"
 rc=$?

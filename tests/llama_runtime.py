@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 VENV = Path(sys.prefix)
+REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 40 * 60
 
 
 def _building() -> bool:
-    pid = VENV / ".llama-cpp-building"
+    pid = REPO / ".llama-cpp-building"
     try:
         os.kill(int(pid.read_text()), 0)
         return True
@@ -27,7 +28,7 @@ def llama_cpp():
     while _building() and time.monotonic() < deadline:
         time.sleep(5)
     if (VENV / ".llama-cpp-failed").exists():
-        log = (VENV / ".llama-cpp.log").read_text()[-3000:]
+        log = (REPO / ".llama-cpp.log").read_text()[-3000:]
         pytest.fail(f"building llama-cpp-python failed (scripts/llama_cpp.sh):\n{log}")
     importlib.invalidate_caches()
     try:

@@ -387,7 +387,8 @@ class TrackingConfig(Section):
     # local store sqlite:///<runs_dir>/mlflow.db, its artifacts in <runs_dir>/mlartifacts/.
     tracking_uri: str | None = Field(None, min_length=1)
     experiment_name: str | None = Field(None, min_length=1)         # unset: run_name
-    registered_model_name: str | None = Field(None, pattern=r"^[^'\"\\]+$")   # unset: run_name; no quotes (searched by)
+    # unset: run_name; no quotes (the name goes into a registry search)
+    registered_model_name: str | None = Field(None, pattern=r"^[^'\"\\]+$")
     # Register the served export's final model (merged/): its files are uploaded as the run's `model` artifact, a copy
     # the size of the weights (once per export digest); false: metrics and reports only.
     register_model: bool = True

@@ -384,6 +384,39 @@ class DistConfig(Section):
         return self
 
 
+class TrackingConfig(Section):
+    """Experiment tracking (tasks/tracking.py, README "Experiment tracking"), off by default. `mlflow`: each flow run
+    is one MLflow run (the config as params, every stage's metrics by step, its reports and model cards, the Prefect
+    flow-run id) and an export that passes the serve stage is registered in MLflow's model registry. No stage's cache
+    key holds it. `tracking: mlflow` is short for `tracking: {backend: mlflow}`."""
+
+    backend: Literal["none", "mlflow"] = "none"
+    # Any URI MLflow takes: a server's URL (http://127.0.0.1:5000), a database (sqlite:///abs/path.db). Unset: the
+    # local store sqlite:///<runs_dir>/mlflow.db, its artifacts in <runs_dir>/mlartifacts/.
+    tracking_uri: str | None = Field(None, min_length=1)
+    experiment_name: str | None = Field(None, min_length=1)         # unset: run_name
+    # unset: run_name; no quotes (the name goes into a registry search)
+    registered_model_name: str | None = Field(None, pattern=r"^[^'\"\\]+$")
+    # Register the served export's final model (merged/): its files are uploaded as the run's `model` artifact, a copy
+    # the size of the weights (once per export digest); false: metrics and reports only.
+    register_model: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_shorthand(cls, data):
+        return {"backend": data} if isinstance(data, str) else data
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_password(cls, uri: str | None) -> str | None:
+        """The config goes into every manifest and into MLflow's params: a password in it would be everywhere."""
+        from urllib.parse import urlsplit
+        if uri is not None and urlsplit(uri).password is not None:
+            raise ValueError("holds a password: set MLflow's MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                             "(or MLFLOW_TRACKING_TOKEN) in the environment instead")
+        return uri
+
+
 def derived_grad_accum(tc: TrainConfig, key: str, world_size: int) -> int:
     """Micro-batches per optimizer step for the section `key` (e.g. "sft") on `world_size` processes:
     grad_accum, or global_batch_size / (batch_size × world_size) when global_batch_size is set.
@@ -422,6 +455,7 @@ class Config(Section):
     export: ExportConfig = ExportConfig()
     serve: ServeConfig = ServeConfig()
     dist: DistConfig = DistConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _batch_math(self):

@@ -40,14 +40,15 @@ make_main() {
     echo "[setup] creating .venv ($DEVICE torch, prefect, transformers, peft, sentencepiece, ...)"
     "$PY" -m venv .venv
     .venv/bin/pip install -qq --upgrade pip
-    # torch first, pinned (CPU: the CPU wheel; CUDA: a CUDA wheel, checked below); then the project with test extras.
+    # torch first, pinned (CPU: the CPU wheel; CUDA: a CUDA wheel, checked below); then the project with test and
+    # tracking extras.
     .venv/bin/pip install -qq "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     if [ "$DEVICE" = cuda ] && ! .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
       echo "[setup] pip chose a CPU build of torch on this CUDA host; set TORCH_INDEX_URL to a CUDA wheel index" \
            "(e.g. PyTorch's cu128 one) and run again" >&2
       exit 1
     fi
-    .venv/bin/pip install -qq -e ".[test]"
+    .venv/bin/pip install -qq -e ".[test,tracking]"      # tracking: MLflow, tested against a real local server
     echo "$main_stamp" > .venv/.glm-lora-stamp
     echo "[setup] .venv made in $((SECONDS - t0)) s"
   fi

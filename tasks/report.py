@@ -60,11 +60,15 @@ def cleaning_rows(clean: dict) -> list[dict]:
                    if clean.get(k)]
 
 
-def _logged(stage_dir: Path, key: str) -> list[dict]:
-    """The stage's logging windows (metrics.jsonl) that carry `key` and a step."""
+def windows(stage_dir: Path) -> list[dict]:
+    """The stage's logging windows: a dict per line of its metrics.jsonl (none without one)."""
     log = Path(stage_dir) / METRICS_FILE
-    points = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
-    return [p for p in points if key in p and "step" in p]
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+
+
+def _logged(stage_dir: Path, key: str) -> list[dict]:
+    """The stage's logging windows that carry `key` and a step."""
+    return [p for p in windows(stage_dir) if key in p and "step" in p]
 
 
 def _pyplot():
@@ -158,6 +162,16 @@ def router_heatmap(stage: str, router: dict, out_png: Path) -> Path:
     return out_png
 
 
+def plots(stage: str, stage_dir: Path, metrics: dict, out_dir: Path) -> dict[str, Path]:
+    """A stage's figures, drawn from its published files as out_dir/<stage>-<what>.png: {what: png} for those its
+    logs hold — loss (training stages), rewards (RL), experts (a MoE model's router). The UI and MLflow show these."""
+    drawn = {"loss": loss_curve(stage, stage_dir, metrics, out_dir / f"{stage}-loss.png"),
+             "rewards": reward_curves(stage, stage_dir, out_dir / f"{stage}-rewards.png")}
+    if metrics.get("router", {}).get("layers"):
+        drawn["experts"] = router_heatmap(stage, metrics["router"], out_dir / f"{stage}-experts.png")
+    return {what: png for what, png in drawn.items() if png is not None}
+
+
 def _image_artifact(png: Path, title: str, key: str, description: str) -> None:
     data = base64.b64encode(png.read_bytes()).decode()
     create_markdown_artifact(f"### {title}\n\n![{title}](data:image/png;base64,{data})\n\n`{png}`\n", key=key,
@@ -179,17 +193,17 @@ def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: 
     if metrics.get("clean"):
         create_table_artifact(cleaning_rows(metrics["clean"]), key=key("cleaning"),
                               description=f"{stage}: rows dropped or cut, by reason")
-    png = loss_curve(stage, stage_dir, metrics, Path(run_dir) / "reports" / f"{stage}-loss.png")
-    if png is not None:
-        _image_artifact(png, f"{stage}: loss", key("loss-curve"), f"{stage}: training and validation loss")
+    pngs = plots(stage, stage_dir, metrics, Path(run_dir) / "reports")
+    if "loss" in pngs:
+        _image_artifact(pngs["loss"], f"{stage}: loss", key("loss-curve"), f"{stage}: training and validation loss")
     if metrics.get("samples"):          # the RL stage's sampled answers with their rewards
         create_table_artifact(metrics["samples"], key=key("rollouts"),
                               description=f"{stage}: sampled answers of the last steps and their rewards")
-    png = reward_curves(stage, stage_dir, Path(run_dir) / "reports" / f"{stage}-rewards.png")
-    if png is not None:
-        _image_artifact(png, f"{stage}: rewards", key("rewards"), f"{stage}: reward, KL and answer length by step")
-    if metrics.get("router", {}).get("layers"):
+    if "rewards" in pngs:
+        _image_artifact(pngs["rewards"], f"{stage}: rewards", key("rewards"),
+                        f"{stage}: reward, KL and answer length by step")
+    if "experts" in pngs:
         create_table_artifact(router_rows(metrics["router"]), key=key("router"),
                               description=f"{stage}: routed tokens per expert, per MoE layer")
-        png = router_heatmap(stage, metrics["router"], Path(run_dir) / "reports" / f"{stage}-experts.png")
-        _image_artifact(png, f"{stage}: router", key("experts"), f"{stage}: share of routed tokens per expert")
+        _image_artifact(pngs["experts"], f"{stage}: router", key("experts"),
+                        f"{stage}: share of routed tokens per expert")

@@ -2,14 +2,19 @@
 
 Asserts on real outputs: transformers loads the merged export with our logits, peft loads both
 adapters with our logits, vLLM's greedy answer equals our in-process greedy answer, and a
-re-run comes from cache (a changed DPO section re-runs DPO and what follows only).
+re-run comes from cache (a changed DPO section re-runs DPO and what follows only). The first run is
+tracked in a real MLflow server (tracking.backend: mlflow), read back through MLflow's client.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import logging
 import socket
 import time
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 import torch
@@ -25,6 +30,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """Started before the Prefect harness, so the two warm up side by side; None without mlflow installed."""
+    if importlib.util.find_spec("mlflow") is None:
+        yield None
+        return
+    from tests.mlflow_server import MlflowServer
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +76,14 @@ def _run(overrides: dict):
 
 
 @pytest.fixture(scope="module")
-def dag(prefect_server, tmp_path_factory):
+def dag(mlflow_server, prefect_server, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     overrides = {**SHORT, "runs_dir": str(runs), "serve.port": _free_port()}
-    result, states = _run(overrides)
-    return {"overrides": overrides, "result": result, "states": states, "run_dir": runs / "tiny"}
+    tracking = {} if mlflow_server is None else {"tracking.backend": "mlflow",
+                                                 "tracking.tracking_uri": mlflow_server.wait()}
+    result, states = _run({**overrides, **tracking})       # only this run is tracked: the others reuse `overrides`
+    return {"overrides": overrides, "result": result, "states": states, "run_dir": runs / "tiny",
+            "mlflow": mlflow_server and mlflow_server.url}
 
 
 def test_every_stage_ran_and_vllm_matches_inprocess_greedy(dag):
@@ -134,6 +156,41 @@ def test_each_stage_shows_tables_and_loss_curves_in_the_ui(dag):
         assert bar.type == "progress" and float(bar.data) == 100.0 and "done" in bar.description, bar
 
 
+def test_the_run_is_tracked_in_a_real_mlflow_server_and_the_served_export_registered(dag, tmp_path):
+    """One MLflow run per flow run, named after the Prefect flow run and tagged with its id: the config as params,
+    each stage's logging windows at their steps and its held-out metrics, loss curves and model cards as artifacts,
+    and the export the serve stage passed registered with its digest (its weights, downloaded through the server,
+    are the export's); not the `serving` alias: this DAG's candidate is tested, not switched to."""
+    if dag["mlflow"] is None:
+        pytest.skip("mlflow is not installed (pip install -e '.[tracking]')")
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    client, d = MlflowClient(dag["mlflow"]), dag["run_dir"]
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert run.info.status == "FINISHED"
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.read_flow_run(UUID(run.data.tags["prefect.flow_run_id"]))
+    assert flow_run.name == run.info.run_name and flow_run.parameters["overrides"]["tracking.backend"] == "mlflow"
+    assert run.data.params["sft.max_steps"] == "120"
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("stage.") and "digest" not in k} == {
+        f"stage.{s}": "built" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "serve")}
+    windows = [json.loads(line) for line in (d / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [
+        (w["step"], w["loss"]) for w in windows]
+    sft = json.loads((d / "sft" / "manifest.json").read_text())["metrics"]
+    assert run.data.metrics["sft/eval.exact_match"] == sft["eval"]["exact_match"]
+    listed = lambda path: {a.path for a in client.list_artifacts(run.info.run_id, path)}  # noqa: E731
+    assert {f"reports/{s}-loss.png" for s in ("pretrain", "sft", "dpo")} <= listed("reports")
+    assert "stages/export/merged/README.md" in listed("stages/export/merged")
+    assert "stages/serve/gate.md" in listed("stages/serve")
+    (version,) = client.search_model_versions("name = 'tiny'")
+    assert version.run_id == run.info.run_id and version.tags["export_digest"] == dag["result"]["digest"]
+    assert client.get_registered_model("tiny").aliases == {}
+    weights = client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path))
+    sha = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+    assert sha(weights) == sha(d / "export" / "merged" / "model.safetensors")
+
+
 def _ids(run_dir: Path) -> torch.Tensor:
     from glm_lora.data.tokenizer import load_tokenizer
     tok = load_tokenizer(run_dir / "tokenizer")
@@ -169,10 +226,15 @@ def test_peft_adapters_load_and_match(dag):
         torch.testing.assert_close(with_dpo(ids).logits, merged(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag):
+def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag, caplog):
+    """The first re-run also names a tracking server nobody runs: one warning line, and the run is the same."""
     quiet = {**dag["overrides"], "serve.enabled": False}
-    result, states = _run(quiet)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with caplog.at_level(logging.WARNING, logger="glm_lora.tracking"):
+        result, states = _run({**quiet, "tracking.backend": "mlflow", "tracking.tracking_uri": dead})
     assert states == {s: "Cached" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export")}
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "glm_lora.tracking"]
+    assert dead in warning and "untracked" in warning
     first = json.loads((dag["run_dir"] / "export" / "manifest.json").read_text())
     assert result["export"]["digest"] == first["digest"]
 

@@ -23,7 +23,7 @@ from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
 from glm_lora.data.tokenizer import load_tokenizer
 from glm_lora.model.hf import check_tokenizer_fits, check_weights, read_hf_config
 from glm_lora.engine import rewards
-from glm_lora.export import gguf
+from glm_lora.model import gguf_support
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig
 
@@ -37,7 +37,7 @@ def preflight(cfg: Config) -> None:
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     if cfg.base_model is None:
         _check_lora(cfg, DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1}))
-        gguf.check(cfg.export.gguf, cfg.model.arch)
+        gguf_support.check(cfg.export.gguf, cfg.model.arch)
         return
     if not cfg.base_model.is_dir():
         raise UserError(f"base_model: {cfg.base_model} is not a directory (expected a local Hugging Face model dir)")
@@ -48,7 +48,7 @@ def preflight(cfg: Config) -> None:
     check_tokenizer_fits(cfg.base_model, len(load_tokenizer(cfg.base_model)))
     _check_lora(cfg, layout)
     _check_memory(cfg, layout)
-    gguf.check(cfg.export.gguf, layout.arch, tokenizer_dir=cfg.base_model)
+    gguf_support.check(cfg.export.gguf, layout.arch, tokenizer_dir=cfg.base_model)
     lengths = {"sft.seq_len": cfg.sft.seq_len, "dpo.seq_len": cfg.dpo.seq_len}     # pretraining is skipped
     if cfg.serve.enabled:
         lengths["serve.max_model_len"] = cfg.serve.max_model_len

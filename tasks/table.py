@@ -45,7 +45,7 @@ STAGES: dict[str, Stage] = {
     "export": Stage(export.run, ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
                     ("export",) + TRAINING_CODE),
     # Optional (export.gguf non-empty): the final model as GGUF files for llama.cpp / Ollama
-    "gguf": Stage(gguf.run, ("export",), ("export.gguf",), ("export",)),
+    "gguf": Stage(gguf.run, ("export",), ("export.gguf",), ("export", "model")),
     "serve": Stage(serve_stage.run, ("export",), ("serve",), ("serve", "export") + TRAINING_CODE, cached=False),
 }
 

@@ -173,7 +173,7 @@ def test_the_run_is_tracked_in_a_real_mlflow_server_and_the_served_export_regist
     assert flow_run.name == run.info.run_name and flow_run.parameters["overrides"]["tracking.backend"] == "mlflow"
     assert run.data.params["sft.max_steps"] == "120"
     assert {k: v for k, v in run.data.tags.items() if k.startswith("stage.") and "digest" not in k} == {
-        f"stage.{s}": "built" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "serve")}
+        f"stage.{s}": "built" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf", "serve")}
     windows = [json.loads(line) for line in (d / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [
         (w["step"], w["loss"]) for w in windows]
@@ -232,7 +232,7 @@ def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag, caplog):
     dead = f"http://127.0.0.1:{_free_port()}"
     with caplog.at_level(logging.WARNING, logger="glm_lora.tracking"):
         result, states = _run({**quiet, "tracking.backend": "mlflow", "tracking.tracking_uri": dead})
-    assert states == {s: "Cached" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export")}
+    assert states == {s: "Cached" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf")}
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "glm_lora.tracking"]
     assert dead in warning and "untracked" in warning
     first = json.loads((dag["run_dir"] / "export" / "manifest.json").read_text())
@@ -240,7 +240,7 @@ def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag, caplog):
 
     result, states = _run({**quiet, "dpo.beta": 0.2})
     assert states == {"data": "Cached", "tokenizer": "Cached", "pretrain": "Cached", "sft": "Cached",
-                      "dpo": "Completed", "export": "Completed"}
+                      "dpo": "Completed", "export": "Completed", "gguf": "Completed"}
     assert result["export"]["digest"] != first["digest"]
 
 
@@ -283,7 +283,7 @@ def test_base_model_path_starts_at_sft(dag, tmp_path):
     overrides = {**dag["overrides"], "run_name": "from-base", "base_model": str(base_dir), "serve.enabled": False,
                  "sft.max_steps": 10, "dpo.max_steps": 4}
     result, states = _run(overrides)
-    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "gguf")}
     run_dir = Path(overrides["runs_dir"]) / "from-base"
     ids = _ids(run_dir)
     with torch.no_grad():
@@ -520,7 +520,7 @@ def test_the_rl_stage_trains_after_dpo_is_exported_on_dpo_merged_served_and_reru
             like_="with-rl-rl-")))}
     assert {"with-rl-rl-rollouts", "with-rl-rl-rewards", "with-rl-rl-metrics", "with-rl-rl-families"} <= found
     _, states = _run({**overrides, "serve.enabled": False})
-    assert states == {s: "Cached" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export")}
+    assert states == {s: "Cached" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export", "gguf")}
 
 
 def test_orpo_raises_its_own_held_out_preference_measure_on_a_model_that_does_not_yet_separate(dag, tmp_path):
@@ -558,7 +558,7 @@ def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(d
     overrides = {**dag["overrides"], "run_name": "two-ranks", "serve.enabled": False, "dist.nproc_per_node": 2,
                  "pretrain.max_steps": 20, "sft.max_steps": 8, "dpo.max_steps": 4}
     result, states = _run(overrides)
-    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export")}
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf")}
     run_dir = Path(overrides["runs_dir"]) / "two-ranks"
     for stage in ("pretrain", "sft", "dpo"):
         metrics = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]

@@ -294,6 +294,29 @@ class ExportConfig(Section):
     gguf: list[str] = []
 
 
+class HarnessConfig(Section):
+    """Standard benchmarks: lm-evaluation-harness (`lm_eval`, the `harness` extra) on the exported model, in the
+    stage `harness` after export (engine/harness.py). Nothing is downloaded: tasks come from the shipped folder
+    (engine/harness_tasks: glm_lora_arithmetic, glm_lora_strings, over the run's held-out synthetic rows), from
+    `include_path`, or from lm_eval's own tasks whose datasets are already in the local Hugging Face cache."""
+
+    tasks: list[str] = []                 # task, group or tag names; [] = no harness stage
+    include_path: list[Path] = []         # your task folders (YAML + data files), as lm_eval's --include_path
+    limit: int | None = Field(None, ge=1)            # samples per task (None: all)
+    num_fewshot: int | None = Field(None, ge=0)      # None: each task's own
+    batch_size: int = Field(8, ge=1)
+    chat_template: bool = True            # prompts through the model's chat template (our exports are chat models)
+    # Score export/base too: serve.gate.harness compares with it where the served model has no score (first promotion)
+    base: bool = True
+
+    @field_validator("tasks")
+    @classmethod
+    def _names(cls, tasks: list[str]) -> list[str]:
+        if any(not t.strip() for t in tasks) or len(set(tasks)) != len(tasks):
+            raise ValueError(f"expected distinct, non-empty task names, got {tasks}")
+        return tasks
+
+
 class EvalConfig(Section):
     """Held-out evaluation after each training stage (engine/evaluate.py), on the *_eval splits."""
 
@@ -301,6 +324,7 @@ class EvalConfig(Section):
     max_rows: int = Field(200, ge=1)        # rows per eval split
     max_new_tokens: int = Field(24, ge=1)   # greedy answer length for exact match
     compare_prompts: list[str] = COMPARE_PROMPTS   # answered by the pretrain, SFT and DPO models side by side
+    harness: HarnessConfig = HarnessConfig()
 
 
 class GateConfig(Section):
@@ -309,6 +333,9 @@ class GateConfig(Section):
     min: dict[str, float] = {}                              # thresholds (maximum for loss-like metrics)
     no_regression: list[str] = ["dpo.exact_match", "dpo.implicit_reward_accuracy"]   # vs the served model
     tolerance: float = Field(0.0, ge=0)
+    # lm-evaluation-harness task (from eval.harness.tasks) → min_delta: the candidate's score must be ≥ the served
+    # model's + min_delta (negative: that much loss is allowed); where the served model has none, export/base's
+    harness: dict[str, float] = {}
 
 
 class ServeConfig(Section):
@@ -485,6 +512,14 @@ class Config(Section):
         if self.serve.enabled and self.device == "cpu" and self.base_model is None and head_dim not in VLLM_CPU_HEAD_SIZES:
             raise ValueError(f"model.hidden_size / model.num_heads = {head_dim} is not a head size vLLM's CPU backend "
                              f"serves {list(VLLM_CPU_HEAD_SIZES)}; change model.num_heads or set serve.enabled: false")
+        return self
+
+    @model_validator(mode="after")
+    def _gated_tasks_are_run(self):
+        missing = [t for t in self.serve.gate.harness if t not in self.eval.harness.tasks]
+        if missing:
+            raise ValueError(f"serve.gate.harness names {missing}, which eval.harness.tasks ({self.eval.harness.tasks}) "
+                             "does not run: add them there")
         return self
 
     @field_validator("run_name")

@@ -55,14 +55,19 @@ def _fmt(value: Any) -> str:
 
 
 def promotion_gate(candidate: dict, served: dict | None, *, thresholds: dict[str, float],
-                   no_regression: list[str], tolerance: float = 0.0,
-                   lower_is_better: Collection[str] = LOWER_IS_BETTER) -> GateResult:
+                   no_regression: list[str], tolerance: float = 0.0, harness: dict[str, float] | None = None,
+                   base: dict | None = None, lower_is_better: Collection[str] = LOWER_IS_BETTER) -> GateResult:
     """Check `candidate`'s metrics against `thresholds` and, when `served` is given, against the
     served model's on every `no_regression` metric (allowing `tolerance`, in the metric's units).
 
     With served=None (nothing served yet) only the thresholds apply. A served model that lacks a
     no_regression metric fails the check: re-evaluate it on the current eval set first (the two
     models must be measured on the same data for the comparison to mean anything).
+
+    `harness` (task → min_delta, serve.gate.harness): the candidate's lm-evaluation-harness score
+    (`harness.<task>.score`, engine/harness.py) must be present and beat the served model's by min_delta
+    (negative: that much loss allowed); where the served model has no score (nothing served, or served before
+    the task was), `base`'s (the export's base model, scored by the same stage); with neither, presence only.
     """
     rows: list[tuple[str, str, str, str, bool]] = []
     reasons: list[str] = []
@@ -75,6 +80,28 @@ def promotion_gate(candidate: dict, served: dict | None, *, thresholds: dict[str
         if not ok:
             reasons.append(reason)
 
+    def against(name: str, raw: Any, ref_raw: Any, who: str, margin: float, low: bool, knob: str) -> None:
+        """candidate ≥ reference + margin (≤ reference − margin where lower is better): the one comparison with
+        another model's number, for no_regression (margin −tolerance) and harness (margin min_delta)."""
+        value, ref = _number(raw), _number(ref_raw)
+        offset = -margin if low else margin
+        rule = f"{'≤' if low else '≥'} {who}"
+        if offset:
+            rule += f" {'+' if offset > 0 else '−'} {abs(offset):g}"
+        shown = _fmt(ref_raw) + ("" if who == "served" else f" ({who})")      # the table's column is "served"
+        if value is None:
+            check(name, rule, False, raw, shown, f"{name}: candidate metric is {_fmt(raw)}; cannot compare "
+                                                f"with the {who} model's {_fmt(ref_raw)}")
+        elif ref is None:
+            check(name, rule, False, raw, shown, f"{name}: {who} model's metric is {_fmt(ref_raw)}; "
+                                                "re-evaluate it on the current eval set to compare")
+        else:
+            ok = value <= ref + offset if low else value >= ref + offset
+            how = (f"regresses against the {who} model's {ref:.4g} ({'higher' if low else 'lower'} by "
+                   f"{abs(value - ref):.4g}, {knob})" if (value > ref if low else value < ref) else
+                   f"does not beat the {who} model's {ref:.4g} by {knob}")
+            check(name, rule, ok, raw, shown, f"{name}: candidate {value:.4g} {how}")
+
     for name, limit in thresholds.items():
         raw = lookup(candidate, name)
         value, low = _number(raw), lower(name)
@@ -86,22 +113,20 @@ def promotion_gate(candidate: dict, served: dict | None, *, thresholds: dict[str
         check(name, rule, ok, raw, "", f"{name}: candidate {value:.4g} is not {rule} (threshold)")
 
     for name in no_regression if served is not None else ():
-        raw, base_raw = lookup(candidate, name), lookup(served, name)
-        value, base, low = _number(raw), _number(base_raw), lower(name)
-        rule = (f"≤ served + {tolerance:g}" if low else f"≥ served − {tolerance:g}") if tolerance else \
-            ("≤ served" if low else "≥ served")
-        if value is None:
-            check(name, rule, False, raw, base_raw, f"{name}: candidate metric is {_fmt(raw)}; cannot compare "
-                                                   f"with the served model's {_fmt(base_raw)}")
+        against(name, lookup(candidate, name), lookup(served, name), "served", -tolerance, lower(name),
+                f"tolerance {tolerance:g}")
+
+    for task, min_delta in (harness or {}).items():
+        name, score = f"harness.{task}", f"harness.{task}.score"
+        raw = lookup(candidate, score)
+        refs = [(who, lookup(m, score)) for who, m in (("served", served), ("base", base)) if m is not None]
+        ref = next(((who, r) for who, r in refs if _number(r) is not None), None)
+        if ref is None or _number(raw) is None:       # nothing to compare with, or nothing measured
+            check(name, "measured", _number(raw) is not None, raw, "",
+                  f"{name}: candidate score is {_fmt(raw)}; the harness stage must measure this export")
             continue
-        if base is None:
-            check(name, rule, False, raw, base_raw, f"{name}: served model's metric is {_fmt(base_raw)}; "
-                                                   "re-evaluate it on the current eval set to compare")
-            continue
-        ok = value <= base + tolerance if low else value >= base - tolerance
-        check(name, rule, ok, raw, base_raw,
-              f"{name}: candidate {value:.4g} regresses against the served model's {base:.4g} "
-              f"({'higher' if low else 'lower'} by {abs(value - base):.4g}, tolerance {tolerance:g})")
+        low = lookup(candidate, f"harness.{task}.higher_is_better") is False
+        against(name, raw, ref[1], ref[0], min_delta, low, f"min_delta {min_delta:g}")
 
     table = ["| metric | candidate | served | rule | result |", "|---|---|---|---|---|"]
     table += [f"| {n} | {c} | {b or '—'} | {r} | {'pass' if ok else '**FAIL**'} |" for n, c, b, r, ok in rows]

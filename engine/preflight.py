@@ -4,8 +4,8 @@ The schema (configs/schema.py) checks the config on its own; this adds what need
 the user's data files exist and are readable, and a base model directory is importable
 (config.json of a supported layout with the keys we need, safetensors weights, a tokenizer that
 fits its vocabulary, LoRA targets the layout has) with positions enough for every `seq_len` and
-for `serve.max_model_len`. A mistake found here costs seconds, not a
-training run; each raises a UserError naming the file and key.
+for `serve.max_model_len`; the lm-evaluation-harness tasks named exist and load offline. A mistake
+found here costs seconds, not a training run; each raises a UserError naming the file and key.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
 from glm_lora.data.tokenizer import load_tokenizer
 from glm_lora.model.hf import check_tokenizer_fits, check_weights, read_hf_config
-from glm_lora.engine import rewards
+from glm_lora.engine import harness, rewards
 from glm_lora.model import gguf_support
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig
@@ -35,6 +35,7 @@ def preflight(cfg: Config) -> None:
     _check_preference_rows(cfg)
     _check_rl(cfg)
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
+    harness.check(cfg.eval.harness, synthetic=cfg.data.sft is None)   # lm-evaluation-harness tasks known and loadable
     if cfg.base_model is None:
         _check_lora(cfg, DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1}))
         gguf_support.check(cfg.export.gguf, cfg.model.arch)

@@ -4,8 +4,10 @@
 inputs from the run directory (the stage table, tasks/table.py, says which) — for debugging; it
 imports no Prefect. `python -m glm_lora.flows.cli serve status|stop|promote` manages the configured run's served
 endpoint (serve/deploy.py): `promote --export DIR` (or `--previous`) puts an export on it through the
-blue/green path, e.g. to go back to yesterday's model. `relocate EXPORT_DIR` points a copied export's adapters at the
-copy's own base models (they name their bases by absolute path, so PEFT's one-liners load them from anywhere).
+blue/green path, e.g. to go back to yesterday's model. `harness --url URL --model NAME --tasks T` runs
+lm-evaluation-harness tasks against a served endpoint (engine/harness.py). `relocate EXPORT_DIR` points a copied
+export's adapters at the copy's own base models (they name their bases by absolute path, so PEFT's one-liners load
+them from anywhere).
 
 Overrides use dotted keys: `--set sft.max_steps=50 --set sft.lora.r=32`.
 """
@@ -69,8 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--export", help="promote: an export directory (a run's export/ or serving/exports/<digest>/)")
     p.add_argument("--previous", action="store_true", help="promote: the export served before the current one")
-    p.add_argument("--allow-regression", action="store_true", help="promote: skip the gate's no-regression checks")
+    p.add_argument("--allow-regression", action="store_true",
+                   help="promote: skip the gate's no-regression and harness checks")
     p.add_argument("--all", action="store_true", help="stop: every deployment listed on this machine (scripts/stop.sh)")
+    p = sub.add_parser("harness", help="lm-evaluation-harness tasks against a served endpoint (its chat completions)")
+    p.add_argument("--url", required=True, help="the endpoint, http://HOST:PORT or http://HOST:PORT/v1")
+    p.add_argument("--model", required=True, help="a served model name (e.g. tiny, tiny-sft)")
+    p.add_argument("--tasks", required=True, help="comma-separated task names; shipped: glm_lora_arithmetic, "
+                                                  "glm_lora_strings")
+    p.add_argument("--include-path", action="append", default=[], type=Path, help="a folder of your task YAML files")
+    p.add_argument("--limit", type=int, help="samples per task (default: all)")
+    p.add_argument("--data", type=Path, help="held-out rows for the shipped tasks (a run's data/sft_eval.jsonl; "
+                                             "default: the tiny default's, shipped with them)")
+    p.add_argument("--api-key-env", help="environment variable holding the endpoint's key")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--out", type=Path, help="write lm_eval's results (JSON, with every sample) here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -114,6 +129,8 @@ def _run(args) -> int:
         print(json.dumps(relocate(args.export_dir), indent=2))
         return 0
 
+    if args.cmd == "harness":
+        return _harness(args)
     overrides = _overrides(args.set)
     cfg = load_config(args.config, overrides)
     if args.cmd == "serve":
@@ -161,6 +178,30 @@ def _serve(args, cfg) -> int:
     export = deploy.previous_export(dep) if args.previous else Path(args.export)
     result = promote_export(cfg, export, allow_regression=args.allow_regression or args.previous)
     print(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _harness(args) -> int:
+    """`harness --url`: lm_eval's local-chat-completions model on a served name; prints the scores' table."""
+    import os
+    from pydantic import ValidationError
+    from glm_lora.configs.schema import HarnessConfig
+    from glm_lora.engine import harness
+
+    try:
+        hc = HarnessConfig(tasks=[t for t in args.tasks.split(",") if t], include_path=args.include_path,
+                           limit=args.limit)
+    except ValidationError as e:
+        raise ConfigError(f"harness: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    key = None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            raise UserError(f"--api-key-env: the environment variable {args.api_key_env} is unset or empty")
+    results = harness.endpoint(args.url, args.model, hc, key=key, data=args.data, concurrency=args.concurrency)
+    if args.out:
+        artifacts.atomic_write_text(args.out, harness.dump(results))
+    print(harness.table(harness.scores(results)), end="")
     return 0
 
 

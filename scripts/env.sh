@@ -6,7 +6,7 @@ export PREFECT_PORT="${PREFECT_PORT:-4200}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 export PREFECT_LOGGING_EXTRA_LOGGERS=glm_lora
 export PREFECT_WORKER_QUERY_SECONDS=2
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # `python -m ...` run here must not put the repository root on sys.path: its folders (kernels, data, model, ...) would
 # shadow other distributions' top-level packages (transformers and bitsandbytes import one named `kernels`); ours are
 # imported as glm_lora.<folder> from the installed package. (Benchmarks: `PYTHONSAFEPATH= python -m bench.<name>`.)

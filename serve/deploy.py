@@ -365,10 +365,13 @@ def legacy_server(serve_stage_dir: Path) -> dict | None:
 
 
 def promote(cfg, export_dir: Path, *, key: str | None, key_source: str | None, switch: bool = True,
-            allow_regression: bool = False, out_dir: Path | None = None) -> dict:
+            allow_regression: bool = False, out_dir: Path | None = None, harness: dict | None = None) -> dict:
     """Promote `export_dir` to the stable endpoint (blue/green; module docstring). switch=False
     (serve.keep_running: false): start, test and stop the candidate; the endpoint is not touched.
-    allow_regression: skip the gate's no-regression checks (a deliberate rollback to an older model).
+    allow_regression: skip the gate's no-regression and harness checks (a deliberate rollback to an older model).
+    harness: the harness stage's metrics of this export (engine/harness.py): its scores join the candidate's eval
+    (recorded with it, so the next promotion compares with them) and its base model's are the gate's reference
+    while the served model has none.
 
     Under the lock: settle what an earlier promotion left → the endpoint has not moved → the export
     verified and through the gate → an unchanged export: the live server only re-tested; else a
@@ -379,7 +382,7 @@ def promote(cfg, export_dir: Path, *, key: str | None, key_source: str | None, s
         rec = settle(dep, read_record(dep))
         _check_endpoint_unmoved(rec, cfg.serve)
         p = _gated(cfg, dep, rec, export_dir, key=key, key_source=key_source, allow_regression=allow_regression,
-                   out_dir=out_dir)
+                   out_dir=out_dir, harness=harness or {})
         if switch and _live_server_is_current(p):
             return _retest_live_server(p)
         return _promote_candidate(p, switch)
@@ -419,15 +422,18 @@ def _check_endpoint_unmoved(rec: dict, sc) -> None:
 
 
 def _gated(cfg, dep: Deployment, rec: dict, export_dir: Path, *, key: str | None, key_source: str | None,
-           allow_regression: bool, out_dir: Path | None) -> _Promotion:
+           allow_regression: bool, out_dir: Path | None, harness: dict) -> _Promotion:
     """The export verified against its manifest and passed by the gate (neither needs a server, so a failing
     export costs no start), with what a server of it would serve."""
     sc = cfg.serve
     manifest = _verified_export(export_dir)
     digest, candidate_eval = manifest["digest"], manifest["metrics"].get("eval", {})
+    if "harness" in harness:
+        candidate_eval = {**candidate_eval, "harness": harness["harness"]}
     legacy = None if rec["active"] else legacy_server(cfg.stage_dir("serve"))
     served_eval = rec["active"]["eval"] if rec["active"] else (legacy or {}).get("eval")
-    gate = _passed_gate(sc, candidate_eval, served_eval, allow_regression, out_dir)
+    base_eval = {"harness": harness["base"]} if "base" in harness else None
+    gate = _passed_gate(sc, candidate_eval, served_eval, base_eval, allow_regression, out_dir)
     plan = serving_plan(export_dir, cfg.run_name, sc.adapters, vs.vllm_device())
     for what, why in plan["not_served"].items():
         log.info("not served as an adapter: %s: %s", what, why)
@@ -437,12 +443,14 @@ def _gated(cfg, dep: Deployment, rec: dict, export_dir: Path, *, key: str | None
                       exact=sc.dtype == "float32")
 
 
-def _passed_gate(sc, candidate_eval: dict, served_eval: dict | None, allow_regression: bool,
+def _passed_gate(sc, candidate_eval: dict, served_eval: dict | None, base_eval: dict | None, allow_regression: bool,
                  out_dir: Path | None) -> GateResult:
-    """The promotion gate on the candidate's eval against the served model's (logged, and written to
-    out_dir/gate.md); GateFailed if it fails: the served model stays."""
+    """The promotion gate on the candidate's eval against the served model's (or, for a harness score the served
+    model lacks, the base model's) — logged, and written to out_dir/gate.md; GateFailed if it fails: the served
+    model stays."""
     gate = promotion_gate(candidate_eval, served_eval, thresholds=sc.gate.min, tolerance=sc.gate.tolerance,
-                          no_regression=[] if allow_regression else sc.gate.no_regression)
+                          no_regression=[] if allow_regression else sc.gate.no_regression,
+                          harness={} if allow_regression else sc.gate.harness, base=base_eval)
     if out_dir is not None:
         (Path(out_dir) / "gate.md").write_text(gate.table)
     log.info("promotion gate:\n%s", gate.table)

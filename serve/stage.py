@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from glm_lora.artifacts import is_complete, read_manifest
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config, ServeConfig
 from glm_lora.serve.deploy import RECORD, GateFailed, promote
@@ -57,13 +58,24 @@ def serving_notes(cfg: Config) -> list[str]:
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
     """The serve stage (tasks/table.py)."""
-    return serve(cfg, inputs["export"], out_dir)
+    return serve(cfg, inputs["export"], out_dir, harness_dir=inputs.get("harness"))
 
 
-def serve(cfg: Config, export_dir: Path, out_dir: Path, allow_regression: bool = False) -> dict:
+def harness_metrics(harness_dir: Path | None, export_dir: Path) -> dict:
+    """The harness stage's metrics (engine/harness.py) if it scored this very export (its inputs name the export's
+    digest), else {}: the gate then finds no harness score."""
+    if harness_dir is None or not is_complete(harness_dir):
+        return {}
+    manifest, digest = read_manifest(harness_dir), read_manifest(export_dir)["digest"]
+    return manifest["metrics"] if any(i["digest"] == digest for i in manifest.get("inputs", [])) else {}
+
+
+def serve(cfg: Config, export_dir: Path, out_dir: Path, allow_regression: bool = False,
+          harness_dir: Path | None = None) -> dict:
     key, key_source = api_key(cfg.serve)   # before anything is started, stopped or read
     result = promote(cfg, export_dir, key=key, key_source=key_source, switch=cfg.serve.keep_running,
-                     allow_regression=allow_regression, out_dir=out_dir)
+                     allow_regression=allow_regression, out_dir=out_dir,
+                     harness=harness_metrics(harness_dir, export_dir))
     summary = {k: result[k] for k in ("pid", "url", "model", "running", "restarted", "export", "served_from",
                                       "digest", "api_key_from", "record")}
     summary["models"] = list(result["models"])
@@ -76,4 +88,6 @@ def promote_export(cfg: Config, export_dir: Path, allow_regression: bool = False
     """Promote any verified export (a run's export/, or a snapshot kept in serving/exports/) through the same
     blue/green path: `python -m glm_lora.flows.cli serve promote` and the Prefect deployment `glm-lora-serve/serve`."""
     key, key_source = api_key(cfg.serve)
-    return promote(cfg, Path(export_dir), key=key, key_source=key_source, allow_regression=allow_regression)
+    harness_dir = cfg.stage_dir("harness") if cfg.eval.harness.tasks else None     # the run's scores, if of this export
+    return promote(cfg, Path(export_dir), key=key, key_source=key_source, allow_regression=allow_regression,
+                   harness=harness_metrics(harness_dir, Path(export_dir)))

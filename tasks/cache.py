@@ -48,6 +48,9 @@ def key_parts(stage: str, cfg: Config, upstream: list[dict], out_dir: Path) -> d
     serialised for a key."""
     spec = STAGES[stage]
     tree = cfg.model_dump(mode="json")
+    for dotted in spec.ignore:
+        parent, _, leaf = dotted.rpartition(".")
+        get_dotted(tree, parent).pop(leaf)
     sections = {k: get_dotted(tree, k) for k in spec.config}
     return {"stage": stage, "code": code_version(spec.code), "config": sections,
             "user_files": {p: fingerprint(p) for p in _user_paths(sections)},

@@ -1,7 +1,8 @@
 """What a stage shows in the Prefect UI, made from its published manifest: tables people read (one row
 per metric with its unit, the held-out metrics per family and where their rows came from, sample
-answers, the data-cleaning counts by reason) and, for training stages, the loss curves drawn with
-matplotlib (saved with the run in runs/<run>/reports/ and embedded in a markdown artifact).
+answers, the data-cleaning counts by reason, lm-evaluation-harness scores) and, for training stages,
+the loss curves drawn with matplotlib (saved with the run in runs/<run>/reports/ and embedded in a
+markdown artifact).
 Keyed artifacts, so the UI keeps their history across runs.
 """
 from __future__ import annotations
@@ -51,6 +52,14 @@ def family_rows(ev: dict) -> list[dict]:
     chrf, n = ev.get("chrf_per_family", {}), ev.get("n_per_family", {})
     return [{"family": f, "exact_match": _fmt(v), "chrf": _fmt(chrf.get(f, "")), "rows": n.get(f, "")}
             for f, v in ev.get("per_family", {}).items()]
+
+
+def harness_rows(metrics: dict) -> list[dict]:
+    """The harness stage's scores: one row per lm-evaluation-harness task (engine/harness.py), the base's beside."""
+    base = metrics.get("base") or {}
+    return [{"task": task, "metric": s["metric"], "score": _fmt(s["score"]),
+             "stderr": _fmt(s.get("stderr") or ""), "base": _fmt(base.get(task, {}).get("score", "")),
+             "samples": s["n"]} for task, s in metrics["harness"].items()]
 
 
 def cleaning_rows(clean: dict) -> list[dict]:
@@ -190,6 +199,9 @@ def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: 
         if ev.get("samples"):
             create_table_artifact([{k: s.get(k, "") for k in ("task", "prompt", "reference", "answer", "correct")}
                                    for s in ev["samples"]], key=key("samples"), description=f"{stage}: sample answers")
+    if metrics.get("harness"):
+        create_table_artifact(harness_rows(metrics), key=key("benchmarks"),
+                              description=f"{stage}: lm-evaluation-harness scores of the export (and its base)")
     if metrics.get("clean"):
         create_table_artifact(cleaning_rows(metrics["clean"]), key=key("cleaning"),
                               description=f"{stage}: rows dropped or cut, by reason")

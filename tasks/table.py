@@ -15,7 +15,7 @@ from typing import Callable
 from glm_lora import export
 from glm_lora.configs.schema import Config
 from glm_lora.data import prepare
-from glm_lora.engine import dpo, import_base, pretrain, rl, sft
+from glm_lora.engine import dpo, harness, import_base, pretrain, rl, sft
 from glm_lora.export import gguf
 from glm_lora.serve import stage as serve_stage
 
@@ -30,6 +30,7 @@ class Stage:
     config: tuple[str, ...]           # dotted config keys its output depends on
     code: tuple[str, ...]             # packages whose sources are its code version
     cached: bool = True               # False: runs every time (serving is an action, not an artifact)
+    ignore: tuple[str, ...] = ()      # keys inside `config` that only another stage reads (not in this one's key)
 
 
 _ENGINE = ("device", "precision", "kernels", "attention", "dist.nproc_per_node", "dist.nnodes", "dist.strategy")
@@ -43,7 +44,10 @@ STAGES: dict[str, Stage] = {
     # Optional (rl.enabled): GRPO on the DPO model; `glm-lora stage rl` runs it on a run's cached stages
     "rl": Stage(rl.run, ("base", "sft", "dpo", "tokenizer", "data"), ("rl", *_ENGINE), TRAINING_CODE),
     "export": Stage(export.run, ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
-                    ("export",) + TRAINING_CODE),
+                    ("export",) + TRAINING_CODE, ignore=("eval.harness",)),
+    # Optional (eval.harness.tasks non-empty): lm-evaluation-harness on export/merged (and base/); the serve stage's
+    # gate reads its scores
+    "harness": Stage(harness.run, ("export", "data"), ("eval.harness", "device"), ("engine", "data")),
     # Optional (export.gguf non-empty): the final model as GGUF files for llama.cpp / Ollama
     "gguf": Stage(gguf.run, ("export",), ("export.gguf",), ("export", "model")),
     "serve": Stage(serve_stage.run, ("export",), ("serve",), ("serve", "export") + TRAINING_CODE, cached=False),
@@ -60,12 +64,13 @@ def base_stage(cfg: Config) -> str:
 def chain(cfg: Config) -> list[str]:
     """The stages a run of this config executes, in order."""
     names = ["data", "tokenizer", base_stage(cfg), "sft", "dpo", *(["rl"] if cfg.rl.enabled else []), "export",
-             *(["gguf"] if cfg.export.gguf else [])]
+             *(["gguf"] if cfg.export.gguf else []), *(["harness"] if cfg.eval.harness.tasks else [])]
     return names + (["serve"] if cfg.serve.enabled else [])
 
 
 def upstream(name: str, cfg: Config) -> dict[str, str]:
     """input name → the stage that provides it (resolving "base"; the export takes the RL stage's adapter too when
-    rl.enabled)."""
-    names = STAGES[name].upstream + (("rl",) if name == "export" and cfg.rl.enabled else ())
+    rl.enabled, the serve stage the harness stage's scores when eval.harness.tasks is set)."""
+    names = STAGES[name].upstream + (("rl",) if name == "export" and cfg.rl.enabled else ()) + (
+        ("harness",) if name == "serve" and cfg.eval.harness.tasks else ())
     return {u: base_stage(cfg) if u == "base" else u for u in names}

@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 SHORT = {"pretrain.max_steps": 60, "sft.max_steps": 120, "dpo.max_steps": 20,
          "data.synthetic.n_pretrain": 1500, "data.synthetic.n_sft": 1000, "data.synthetic.n_dpo": 200,
          "serve.keep_running": False, "serve.max_tokens": 16}
+# The first run only (the later runs reuse `dag["overrides"]` without it): lm-evaluation-harness on a shipped task,
+# 8 samples, and the gate reading its score (nothing served yet: against the base model's)
+HARNESS = {"eval.harness.tasks": ["glm_lora_arithmetic"], "eval.harness.limit": 8,
+           "serve.gate.harness": {"glm_lora_arithmetic": 0.0}}
 
 
 def _free_port() -> int:
@@ -81,14 +85,14 @@ def dag(mlflow_server, prefect_server, tmp_path_factory):
     overrides = {**SHORT, "runs_dir": str(runs), "serve.port": _free_port()}
     tracking = {} if mlflow_server is None else {"tracking.backend": "mlflow",
                                                  "tracking.tracking_uri": mlflow_server.wait()}
-    result, states = _run({**overrides, **tracking})       # only this run is tracked: the others reuse `overrides`
+    result, states = _run({**overrides, **HARNESS, **tracking})   # only this run is tracked: the others reuse `overrides`
     return {"overrides": overrides, "result": result, "states": states, "run_dir": runs / "tiny",
             "mlflow": mlflow_server and mlflow_server.url}
 
 
 def test_every_stage_ran_and_vllm_matches_inprocess_greedy(dag):
     assert dag["states"] == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf",
-                                                      "serve")}
+                                                      "harness", "serve")}
     r = dag["result"]
     assert r["answer"].strip(), "vLLM returned an empty answer"
     assert r["answer"].strip() == r["inprocess_answer"].strip()
@@ -116,6 +120,28 @@ def test_the_gguf_stage_writes_the_final_model_for_llama_cpp_and_ollama(dag):
     assert len(field("tokenizer.ggml.tokens")) == config["vocab_size"]
     assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.attn_q.weight"] == "Q8_0"
     assert "FROM ./tiny-f16.gguf" in (d / "Modelfile").read_text()
+
+
+def test_the_harness_stage_scores_the_export_as_our_decoder_answers_and_the_gate_reads_it(dag):
+    """lm_eval's `hf` model on export/merged answers each sample as our decoder does (greedy, chat template), the
+    scores reach the manifest and the UI, and the serve stage's gate checked them (against export/base's)."""
+    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.model.adapters import load_policy
+    d = dag["run_dir"]
+    m = json.loads((d / "harness" / "manifest.json").read_text())["metrics"]
+    score, base = m["harness"]["glm_lora_arithmetic"], m["base"]["glm_lora_arithmetic"]
+    assert score["n"] == base["n"] == 8 and score["metric"] == "exact_match" and 0 <= score["score"] <= 1
+    samples = [json.loads(line) for line in (d / "harness" / "samples.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (d / "data" / "sft_eval.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["task"].split("_")[0] in ("add", "sub")][:8]
+    ours = greedy_answers(load_policy(d / "pretrain", d / "sft", d / "dpo").eval(), load_tokenizer(d / "tokenizer"),
+                          [r["conversations"][:-1] for r in rows], max_new_tokens=24)
+    assert [s["response"][0].strip() for s in sorted(samples, key=lambda s: s["doc_id"])] == [a.strip() for a in ours]
+    assert score["score"] == sum(a.strip() == r["conversations"][-1]["content"] for a, r in zip(ours, rows)) / 8
+    gate = dag["result"]["gate"]
+    row = f"| harness.glm_lora_arithmetic | {score['score']:.4g} | {base['score']:.4g} (base) | ≥ base | pass |"
+    assert row in gate, gate
 
 
 def test_each_stage_reports_held_out_metrics_and_pretraining_learns(dag):
@@ -147,7 +173,8 @@ def test_each_stage_shows_tables_and_loss_curves_in_the_ui(dag):
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="tiny-")))}
     for stage in ("pretrain", "sft", "dpo"):
         assert {f"tiny-{stage}-metrics", f"tiny-{stage}-eval", f"tiny-{stage}-loss-curve"} <= found.keys(), stage
-    assert {"tiny-sft-families", "tiny-sft-samples", "tiny-sft-cleaning", "tiny-compare", "tiny-answer"} <= found.keys()
+    assert {"tiny-sft-families", "tiny-sft-samples", "tiny-sft-cleaning", "tiny-compare", "tiny-answer",
+            "tiny-harness-benchmarks"} <= found.keys()
     assert found["tiny-sft-metrics"].type == "table" and found["tiny-sft-loss-curve"].type == "markdown"
     assert "data:image/png;base64," in found["tiny-sft-loss-curve"].data
     assert (dag["run_dir"] / "reports" / "sft-loss.png").is_file()

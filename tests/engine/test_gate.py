@@ -74,3 +74,46 @@ def test_lookup_dotted_and_flat_keys():
     assert lookup({"a": {"b.c": {"d": 1}}}, "a.b.c.d") == 1
     assert lookup({"sft.exact_match": 0.5}, "sft.exact_match") == 0.5
     assert promotion_gate({"sft.exact_match": 0.5}, None, thresholds={"sft.exact_match": 0.5}, no_regression=[]).ok
+
+
+def _scored(score, higher_is_better=True) -> dict:
+    """Metrics with an lm-evaluation-harness score (engine/harness.py's shape) for the task `arith`."""
+    return {"harness": {"arith": {"metric": "exact_match", "exact_match": score, "score": score,
+                                  "higher_is_better": higher_is_better}}}
+
+
+def test_harness_score_must_beat_the_served_models_by_min_delta():
+    kw = dict(thresholds={}, no_regression=[])
+    assert promotion_gate(_scored(0.62), _scored(0.60), harness={"arith": 0.02}, **kw).ok
+    r = promotion_gate(_scored(0.61), _scored(0.60), harness={"arith": 0.02}, **kw)
+    assert not r.ok and r.reasons == ["harness.arith: candidate 0.61 does not beat the served model's 0.6 by "
+                                      "min_delta 0.02"]
+    assert "| harness.arith | 0.61 | 0.6 | ≥ served + 0.02 | **FAIL** |" in r.table
+    # a negative min_delta allows that much loss, no more
+    assert promotion_gate(_scored(0.55), _scored(0.60), harness={"arith": -0.05}, **kw).ok
+    r = promotion_gate(_scored(0.54), _scored(0.60), harness={"arith": -0.05}, **kw)
+    assert not r.ok and "regresses against the served model's 0.6 (lower by 0.06, min_delta -0.05)" in r.reasons[0]
+    # a lower-is-better metric (e.g. perplexity) moves the other way
+    assert promotion_gate(_scored(9.0, False), _scored(10.0, False), harness={"arith": 0.5}, **kw).ok
+    assert not promotion_gate(_scored(9.8, False), _scored(10.0, False), harness={"arith": 0.5}, **kw).ok
+
+
+def test_harness_reference_is_the_base_model_where_the_served_one_has_no_score():
+    kw = dict(thresholds={}, no_regression=[], harness={"arith": 0.1})
+    r = promotion_gate(_scored(0.5), None, base=_scored(0.45), **kw)      # nothing served: vs the base
+    assert not r.ok and "does not beat the base model's 0.45 by min_delta 0.1" in r.reasons[0]
+    assert "| harness.arith | 0.5 | 0.45 (base) | ≥ base + 0.1 | **FAIL** |" in r.table
+    assert promotion_gate(_scored(0.56), {"sft": {}}, base=_scored(0.45), **kw).ok   # served before the task was
+    assert not promotion_gate(_scored(0.56), _scored(0.5), base=_scored(0.1), **kw).ok   # the served one decides
+    r = promotion_gate(_scored(0.0), None, **kw)                           # no reference: only measured
+    assert r.ok and "| harness.arith | 0 | — | measured | pass |" in r.table
+
+
+def test_a_missing_harness_score_fails():
+    kw = dict(thresholds={}, no_regression=[], harness={"arith": -1.0})
+    for cand in ({}, {"harness": {}}, _scored(None), _scored(math.nan)):
+        for served, base in ((None, None), (_scored(0.5), None), (None, _scored(0.5))):
+            r = promotion_gate(cand, served, base=base, **kw)
+            assert not r.ok and r.reasons[0].startswith("harness.arith: candidate score is "), (cand, served, base)
+            assert "the harness stage must measure this export" in r.reasons[0]
+    assert promotion_gate({}, None, thresholds={}, no_regression=[], harness={}).ok      # not asked for: not checked

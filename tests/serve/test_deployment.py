@@ -272,6 +272,39 @@ def test_bounded_load_has_no_errors(d):
     assert figures["requests"] >= 16 and figures["p99_ms"] >= figures["p50_ms"] > 0
 
 
+def _answer(url: str, key: str, content: str, model: str = "tiny", max_tokens: int = 24) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0.0}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with _LOCAL.open(req, timeout=120) as r:
+        return json.load(r)["choices"][0]["message"]["content"]
+
+
+def test_lm_eval_harness_scores_a_shipped_task_through_the_endpoint(d, tmp_path, capsys):
+    """`glm-lora harness --url`: lm_eval's chat-completions model asks the served `tiny` through nginx, with the key.
+    The rows' references are set so that exactly 5 of 8 equal what the endpoint answers (3 after stripping spaces):
+    the score must be 5/8, and every sample's response must be the endpoint's own answer."""
+    from glm_lora.engine import harness
+    from glm_lora.flows.cli import main
+    rows = [json.loads(line) for line in (harness.TASKS_DIR / "glm_lora_heldout.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["task"].split("_")[0] in ("add", "sub")][:8]
+    answers = [_answer(d["url"], d["key"], r["conversations"][0]["content"]) for r in rows]
+    for i, (r, a) in enumerate(zip(rows, answers)):
+        r["conversations"][-1]["content"] = (f" {a}\n" if i < 3 else a) if i < 5 else a + " (no)"
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    out = tmp_path / "results.json"
+    t0 = time.monotonic()
+    assert main(["harness", "--url", d["url"] + "/v1", "--model", "tiny", "--tasks", "glm_lora_arithmetic",
+                 "--data", str(data), "--api-key-env", KEY_ENV, "--out", str(out)]) == 0
+    print(f"\nlm-eval through the endpoint, 8 samples: {time.monotonic() - t0:.1f}s")
+    assert "| glm_lora_arithmetic | exact_match | 0.625 ± " in capsys.readouterr().out
+    samples = sorted(json.loads(out.read_text())["samples"]["glm_lora_arithmetic"], key=lambda s: s["doc_id"])
+    assert [s["resps"][0][0] for s in samples] == answers
+    assert d["key"] not in out.read_text()
+
+
 def test_a_candidate_failing_the_gate_is_never_started(d):
     from glm_lora.serve.stage import promote_export
     bad = _variant(d["exports"]["a"], d["tmp"] / "gate-export",

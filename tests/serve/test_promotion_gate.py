@@ -60,3 +60,49 @@ def test_an_export_that_does_not_verify_is_refused(tmp_path):
     (export / "merged" / "config.json").write_text('{"edited": true}')
     with pytest.raises(UserError, match=r"does not verify against its manifest.*merged/config.json"):
         serve(cfg, export, tmp_path)
+
+
+def _harness_stage(tmp_path, export, score, base=None):
+    """A published harness stage dir that scored `export` (its manifest names the export among its inputs)."""
+    from glm_lora.artifacts import ref_for
+    d = tmp_path / "harness"
+    d.mkdir()
+    scored = lambda s: {"glm_lora_arithmetic": {"metric": "exact_match", "exact_match": s, "score": s,   # noqa: E731
+                                                "higher_is_better": True, "n": 8}}
+    metrics = {"harness": scored(score), **({"base": scored(base)} if base is not None else {})}
+    write_manifest(d, "harness", metrics=metrics, inputs=[ref_for(export)])
+    return d
+
+
+def test_the_gate_reads_the_harness_stages_score_against_the_served_models(tmp_path):
+    """serve.gate.harness: the candidate's lm-evaluation-harness score (from the harness stage that scored this
+    export) must beat the served model's recorded one by min_delta; nothing is started when it does not."""
+    cfg = load_config("tiny", {"runs_dir": str(tmp_path / "runs"), "eval.harness.tasks": ["glm_lora_arithmetic"],
+                               "serve.gate.harness": {"glm_lora_arithmetic": 0.05}, "serve.gate.no_regression": []})
+    dep = Deployment.of(cfg)
+    dep.root.mkdir(parents=True)
+    served = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        old = {"host": "127.0.0.1", "port": cfg.serve.port, "proxy": None, "candidate": None, "retiring": [],
+               "history": [], "active": {"pid": served.pid, "port": 1, "digest": "d0", "spec": "s0",
+                                         "eval": {"harness": {"glm_lora_arithmetic": {"score": 0.6}}}}}
+        dep.record.write_text(json.dumps(old))
+        export = _export_with(tmp_path, {"dpo": {"exact_match": 0.9}})
+        out = tmp_path / "out"
+        out.mkdir()
+        harness_dir = _harness_stage(tmp_path, export, 0.62, base=0.1)
+        with pytest.raises(GateFailed, match=r"harness\.glm_lora_arithmetic: candidate 0\.62 does not beat the "
+                                             r"served model's 0\.6 by min_delta 0\.05"):
+            serve(cfg, export, out, harness_dir=harness_dir)
+        gate = (out / "gate.md").read_text()
+        assert "| harness.glm_lora_arithmetic | 0.62 | 0.6 | ≥ served + 0.05 | **FAIL** |" in gate
+        assert json.loads(dep.record.read_text()) == old and served.poll() is None
+        # scores of another export are not this one's: missing, and that fails too
+        other = _export_with(tmp_path / "other", {"dpo": {"exact_match": 0.9}})
+        (other / "merged" / "config.json").write_text('{"other": true}')         # other files: another digest
+        write_manifest(other, "export", metrics={"eval": {"dpo": {"exact_match": 0.9}}})
+        with pytest.raises(GateFailed, match=r"harness\.glm_lora_arithmetic: candidate score is missing"):
+            serve(cfg, other, out, harness_dir=harness_dir)
+    finally:
+        served.kill()
+        served.wait()

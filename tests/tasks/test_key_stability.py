@@ -13,7 +13,8 @@ from glm_lora.tasks.table import STAGES
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "key_parts_deefde7.json").read_text())
 ADDED = {"router_aux_loss",        # TrainConfig (every training section), for MoE router health (issue 25)
-         "loss", "simpo_gamma", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"}   # dpo.loss (26)
+         "loss", "simpo_gamma", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight",   # dpo.loss (26)
+         "harness"}                # serve.gate.harness (27; eval.harness is the harness stage's, not in export's key)
 
 
 def _without_added(node):
@@ -31,7 +32,15 @@ def test_config_sections_of_the_key_are_unchanged(case):
     assert {"config": _without_added(parts["config"]), "user_files": parts["user_files"]} == GOLDEN[case]
 
 
-NEW_STAGES = {"rl", "gguf"}        # stages added since deefde7 (GRPO, GGUF): no published key to keep
+NEW_STAGES = {"rl", "gguf", "harness"}   # stages added since deefde7 (GRPO, GGUF, lm-eval): no published key to keep
+
+
+def test_harness_settings_are_the_harness_stages_alone():
+    """eval.harness sits in the eval section the export's key holds, but changes only the harness stage's key."""
+    plain, benched = load_config("tiny"), load_config("tiny", {"eval.harness.tasks": ["glm_lora_arithmetic"]})
+    for stage in set(STAGES) - {"harness"}:
+        assert key_parts(stage, plain, [], Path("/x"))["config"] == key_parts(stage, benched, [], Path("/x"))["config"]
+    assert key_parts("harness", benched, [], Path("/x"))["config"]["eval.harness"]["tasks"] == ["glm_lora_arithmetic"]
 
 
 def test_every_stage_is_covered():

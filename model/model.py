@@ -154,12 +154,12 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, D) at this forward's positions; return what attention sees."""
-        if layer == len(self.k):
-            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1]))
-            self.v.append(torch.zeros_like(self.k[-1]))
+        if layer == len(self.k):     # each in its own dtype: under autocast, q/k-normed keys (qwen3) come out of
+            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1]))   # the fp32 RMSNorm, values in bf16
+            self.v.append(v.new_zeros(*v.shape[:2], self.slots, v.shape[-1]))
         where = self.positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-        self.k[layer].scatter_(2, where, k)
-        self.v[layer].scatter_(2, where, v)
+        self.k[layer].scatter_(2, where, k.to(self.k[layer].dtype))
+        self.v[layer].scatter_(2, where, v.to(self.v[layer].dtype))
         return (k, v) if self.prefill else (self.k[layer], self.v[layer])
 
 

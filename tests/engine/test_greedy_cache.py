@@ -101,3 +101,19 @@ def test_cache_logits_match_a_full_forward():
             h = model.hidden_states(ids[torch.arange(3), pos][:, None], pos[:, None], cache=cache)[:, 0]
             torch.testing.assert_close(h, full[torch.arange(3), pos], rtol=1e-5, atol=1e-5)
             pos += 1
+
+
+@pytest.mark.parametrize("arch", sorted(LAYOUTS))
+def test_cached_decode_under_bf16_autocast(arch):
+    """Under autocast (the GPU default, the CPU default on AMX) a q/k-normed layout's keys leave the fp32 RMSNorm while
+    its values are bf16: the cache keeps each in its own dtype (it raised at the first decode step for qwen3), and
+    the greedy ids equal the uncached decoder's under the same autocast."""
+    from glm_lora.engine.evaluate import sample_decode
+    model, ps = decoder(arch, 5), prompts(6, 6)[:6]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = greedy_decode(model, ps, max_new_tokens=6, eos_id=None)
+        want = uncached_greedy_decode(model, ps, max_new_tokens=6, eos_id=None)
+        sampled = sample_decode(model, ps, max_new_tokens=6, eos_id=None, temperature=1.0,
+                                generator=torch.Generator().manual_seed(0))
+    assert got == want
+    assert [len(s) for s in sampled] == [6] * len(ps)

@@ -200,7 +200,8 @@ def test_the_run_is_tracked_in_a_real_mlflow_server_and_the_served_export_regist
     assert flow_run.name == run.info.run_name and flow_run.parameters["overrides"]["tracking.backend"] == "mlflow"
     assert run.data.params["sft.max_steps"] == "120"
     assert {k: v for k, v in run.data.tags.items() if k.startswith("stage.") and "digest" not in k} == {
-        f"stage.{s}": "built" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf", "serve")}
+        f"stage.{s}": "built" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf", "harness",
+                                        "serve")}
     windows = [json.loads(line) for line in (d / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [
         (w["step"], w["loss"]) for w in windows]

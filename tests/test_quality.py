@@ -141,6 +141,7 @@ def test_gguf_files_answer_in_llama_cpp_as_our_decoder_does(default_run):
     """The default's final model as GGUF (the gguf stage after export), run by llama.cpp's runtime the way a user's
     chat client does (its chat template from the file, its own tokenizer): f16 and q8_0 answer every fixed prompt
     as our decoder does greedily; q4_k_m (llama.cpp's own quantizer) at least the demo question."""
+    from pathlib import Path
     from tests.llama_runtime import llama_cpp
     from glm_lora.data.tokenizer import load_tokenizer, prompt_ids
     from glm_lora.engine.evaluate import greedy_answers
@@ -150,8 +151,8 @@ def test_gguf_files_answer_in_llama_cpp_as_our_decoder_does(default_run):
     cfg = load_config("tiny", {"runs_dir": str(base_cfg.runs_dir), "serve.enabled": False,
                                "export.gguf": ["f16", "q8_0", "q4_k_m"]})
     run_dir = cfg.run_dir
-    export_dir = run_one_stage("export", cfg).path
-    gguf_dir = run_one_stage("gguf", cfg).path
+    export_dir = Path(run_one_stage("export", cfg).path)
+    gguf_dir = Path(run_one_stage("gguf", cfg).path)
     tok = load_tokenizer(run_dir / "tokenizer")
     chats = [[{"role": "user", "content": p}] for p in cfg.eval.compare_prompts]
     ours = greedy_answers(load_policy(run_dir / "pretrain", run_dir / "sft", run_dir / "dpo").eval(), tok, chats,

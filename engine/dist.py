@@ -51,7 +51,7 @@ from glm_lora.configs.schema import Config, derived_grad_accum
 log = logging.getLogger("glm_lora.dist")
 
 STRATEGIES = ("ddp", "fsdp2")
-LORA_STAGES = ("sft", "dpo")
+LORA_STAGES = ("sft", "dpo", "rl")
 # Long enough for rank 0's held-out evaluation while the others wait at the final barrier.
 TIMEOUT = timedelta(minutes=30)
 TEST_FAIL_ENV = "GLM_LORA_TEST_FAIL"
@@ -96,7 +96,8 @@ def check(cfg: Config, world: int | None = None) -> dict[str, dict]:
     Returns per stage: strategy, grad_accum, rows and token slots per optimizer step over all ranks."""
     world = world_size(cfg) if world is None else world
     plan = {}
-    for stage in (("sft", "dpo") if cfg.base_model else ("pretrain", "sft", "dpo")):
+    stages = ("sft", "dpo") if cfg.base_model else ("pretrain", "sft", "dpo")
+    for stage in stages + (("rl",) if cfg.rl.enabled else ()):
         tc, strategy = getattr(cfg, stage), strategy_for(cfg, stage)
         if world > 1 and strategy == "fsdp2" and cfg.precision == "fp16":
             raise UserError(f"precision fp16 is not supported with dist.strategy fsdp2 ({stage} on {world} "

@@ -20,7 +20,7 @@ import contextlib
 import html
 import math
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import sacrebleu
@@ -172,10 +172,13 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
 
 
 def sample_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: "int | Iterable[int] | None",
-                  temperature: float, generator: torch.Generator, batch_size: int = 64) -> list[list[int]]:
+                  temperature: float, generator: torch.Generator, batch_size: int = 64,
+                  any_running: Callable[[bool], bool] = bool) -> list[list[int]]:
     """Like greedy_decode, but each token drawn from softmax(logits / temperature) with `generator` (the RL stage's
     rollouts: the same generator state draws the same answers). Every prompt must leave room for max_new_tokens
-    within model.config.max_seq_len (no cropping: a sampled answer is scored against its whole prompt)."""
+    within model.config.max_seq_len (no cropping: a sampled answer is scored against its whole prompt).
+    `any_running(this process still decoding) -> whether any is`: an FSDP2-sharded model all-gathers its weights in
+    every forward, so all ranks must take the same number of decode steps (they stop when every rank is done)."""
     limit = model.config.max_seq_len - max_new_tokens + 1
     if any(len(p) > limit for p in prompts):
         raise ValueError(f"sample_decode: a prompt is longer than {limit} tokens (max_seq_len - max_new_tokens + 1)")
@@ -186,11 +189,12 @@ def sample_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
 
     stop, out = _stop_set(eos_id), []
     for s in range(0, len(prompts), batch_size):
-        out += _decode_batch(model, prompts[s:s + batch_size], max_new_tokens, stop, draw)
+        out += _decode_batch(model, prompts[s:s + batch_size], max_new_tokens, stop, draw, any_running)
     return out
 
 
-def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], pick) -> list[list[int]]:
+def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], pick,
+                  any_running: Callable[[bool], bool] = bool) -> list[list[int]]:
     """One batch of prompts decoded together with a KV cache; `pick(logits (A, V)) -> (A,)` chooses each token.
     Rows are right-padded: one causal forward over the prompts fills the cache (a real token never sees the
     padding after it) and gives each row's first token at its own last position; then each step feeds every row's
@@ -215,7 +219,7 @@ def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: se
             if live:
                 out[r].append(t)
         running &= ~torch.isin(nxt, stop_ids)
-        if step == max_new_tokens - 1 or not running.any():
+        if step == max_new_tokens - 1 or not any_running(bool(running.any())):
             break
         last = model.hidden_states(nxt[:, None], lens[:, None], cache=cache)[:, 0]     # (A, C)
         lens += 1

@@ -22,7 +22,7 @@ from glm_lora.data.packing import IGNORE
 from glm_lora.data.prepare import split_path
 from glm_lora.data.tokenize import cut_messages
 from glm_lora.data.tokenizer import end_of_turn_ids, prompt_ids_many
-from glm_lora.engine import evaluate, rewards as reward_fns
+from glm_lora.engine import dist, evaluate, rewards as reward_fns
 from glm_lora.engine.trainer import Runtime
 
 log = logging.getLogger("glm_lora.rl")
@@ -108,9 +108,11 @@ class Rollouts:
         generator = torch.Generator(device=evaluate._device(self.model)).manual_seed(
             (tc.seed * 1_000_003 + cursor) * 1_009 + rank)
         prompts = [r["ids"] for r in rows for _ in range(G)]
+        d = self.rt.dist
+        lockstep = d.any if d is not None and dist.is_sharded(self.model) else bool
         with evaluate._evaluating(self.model), self.rt.autocast():
             answers = evaluate.sample_decode(self.model, prompts, max_new_tokens=tc.max_new_tokens, eos_id=self.stop,
-                                             temperature=tc.temperature, generator=generator)
+                                             temperature=tc.temperature, generator=generator, any_running=lockstep)
         stop = set(self.stop)
         scores = []
         for i, answer in enumerate(answers):

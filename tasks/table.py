@@ -54,7 +54,7 @@ STAGES: dict[str, Stage] = {
 }
 
 
-DISTRIBUTED = ("pretrain", "sft", "dpo")     # run under torchrun when dist asks for it (tasks/launch.py)
+DISTRIBUTED = ("pretrain", "sft", "dpo", "rl")     # run under torchrun when dist asks for it (tasks/launch.py)
 
 
 def base_stage(cfg: Config) -> str:

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -80,22 +81,22 @@ def prepared(tmp_path_factory):
 
 
 def _command(prepared, stage: str, run_name: str, out: Path, ranks: int | None, sets: dict,
-             log_dir: Path | None = None) -> list[str]:
+             log_dir: Path | None = None, inputs: dict | None = None) -> list[str]:
     launcher = [] if ranks is None else [
         "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={_free_port()}",
         *([f"--log-dir={log_dir}", "--redirects=3"] if log_dir else [])]
     out.mkdir(parents=True, exist_ok=True)
     args = [a for k, v in {"run_name": run_name, **sets}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-    inputs = [a for k, v in prepared["inputs"][stage].items() for a in ("--input", f"{k}={v}")]
+    inputs = [a for k, v in (inputs or prepared["inputs"][stage]).items() for a in ("--input", f"{k}={v}")]
     return [sys.executable, *launcher, "-m", "glm_lora.engine", stage, "--config", str(prepared["config"]), *args, *inputs,
             "--out", str(out)]
 
 
 def engine(prepared, stage: str, run_name: str, *, ranks: int | None = None, env: dict | None = None,
-           log_dir: Path | None = None, **sets) -> subprocess.CompletedProcess:
+           log_dir: Path | None = None, inputs: dict | None = None, **sets) -> subprocess.CompletedProcess:
     """`python -m glm_lora.engine STAGE` (ranks None) or `torchrun --nproc_per_node RANKS -m glm_lora.engine STAGE`."""
     out = prepared["root"] / "out" / f"{run_name}-{time.monotonic_ns()}"
-    p = subprocess.run(_command(prepared, stage, run_name, out, ranks, sets, log_dir), cwd=REPO,
+    p = subprocess.run(_command(prepared, stage, run_name, out, ranks, sets, log_dir, inputs), cwd=REPO,
                        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     p.out = out
     return p
@@ -225,6 +226,51 @@ def test_qlora_sft_with_ddp_on_two_ranks_matches_one_process(prepared):
     assert close(losses(two), losses(one))
     same_weights(two.out / "adapter.safetensors", one.out / "adapter.safetensors")
     assert json.loads((two.out / "adapter.json").read_text())["quantization"] == "nf4"
+
+
+RL = {"rl.enabled": True, "rl.max_steps": 2, "rl.batch_size": 2, "rl.group_size": 2, "rl.max_new_tokens": 4,
+      "rl.seq_len": 64, "rl.log_every": 1, "rl.warmup_steps": 0, "rl.lora.r": 4}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_rl_stage_trains_on_two_ranks(prepared, sft_runs, strategy):
+    """GRPO under torchrun: each rank samples answers to its own prompts with the weights being trained (under
+    FSDP2 the ranks decode in lockstep: a sharded forward is a collective) and the adapter comes out whole."""
+    from glm_lora.artifacts import write_manifest
+    from glm_lora.model.adapters import load_policy
+    sft = prepared["root"] / f"rl-{strategy}-sft"          # a stage input: the SFT adapter with its manifest
+    shutil.copytree(sft_runs[0].out, sft)
+    write_manifest(sft, "sft")
+    runs = prepared["runs"] / "inputs"
+    inputs = {"base": runs / "pretrain", "sft": sft, "dpo": sft, "tokenizer": runs / "tokenizer", "data": runs / "data"}
+    p = engine(prepared, "rl", f"rl-{strategy}", ranks=2, inputs=inputs, **RL, **{"dist.strategy": strategy})
+    m = ok(p)
+    assert (m["world_size"], m["strategy"], m["global_batch_size"], m["step"]) == (2, strategy, 4, 2), m
+    lines = [json.loads(x) for x in (p.out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and all(np.isfinite(x["loss"]) for x in lines)
+    assert {k.rsplit(".", 2)[-2] for k in load_file(p.out / "adapter.safetensors")} == {"lora_A", "lora_B"}
+    load_policy(inputs["base"], sft, sft, p.out)          # the adapter goes onto its base
+
+
+def test_sampling_in_lockstep_takes_every_step_and_changes_no_answer():
+    """any_running says another rank is still decoding: this one keeps stepping (a forward per step, as the
+    sharded model's collectives need) and its finished rows gain no token."""
+    from glm_lora.engine.evaluate import sample_decode
+    from glm_lora.model import Decoder, DecoderConfig
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=30, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  intermediate_size=32, max_seq_len=32)).eval()
+    calls = []
+    model.hidden_states = (lambda f: lambda *a, **k: calls.append(1) or f(*a, **k))(model.hidden_states)
+    prompts = [[1, 2, 3], [4, 5]]
+    kw = dict(max_new_tokens=8, eos_id=list(range(30)), temperature=1.0)     # every token ends its answer
+    with torch.no_grad():
+        alone = sample_decode(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
+        n_alone, calls[:] = len(calls), []
+        waiting = sample_decode(model, prompts, generator=torch.Generator().manual_seed(3),
+                                any_running=lambda mine: True, **kw)
+    assert alone == waiting and all(len(a) == 1 for a in alone)
+    assert n_alone == 1 and len(calls) == 8       # the prompt forward, then one per step while the others decode
 
 
 # ---------------------------------------------------------------- failures
@@ -437,3 +483,8 @@ def test_batch_math_derives_grad_accum_and_names_the_keys():
     with pytest.raises(UserError, match="precision fp16 .* fsdp2"):
         dist.check(load_config("tiny", {"precision": "fp16"}), world=2)
     assert dist.strategy_for(load_config("tiny", {"dist.strategy": "fsdp2"}), "sft") == "fsdp2"
+    assert "rl" not in plan and dist.strategy_for(cfg, "rl") == "ddp"          # a LoRA stage: replicated
+    rl = load_config("tiny", {"rl.enabled": True, "rl.batch_size": 4, "rl.global_batch_size": 16})
+    assert dist.check(rl, world=2)["rl"]["grad_accum"] == 2
+    with pytest.raises(UserError, match="rl.global_batch_size"):
+        dist.check(rl, world=3)

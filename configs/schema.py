@@ -465,7 +465,7 @@ class Config(Section):
     run_name: str = "tiny"             # names the directory runs_dir/run_name
     runs_dir: Path = Path("runs")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA and on CPUs with AMX, else fp32
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32
     kernels: Literal["auto", "reference", "triton"] = "auto"       # fused Triton ops or torch: kernels/__init__.py
     attention: Literal["auto", "sdpa", "flex"] = "auto"            # packed-row attention: kernels/__init__.py
     threads: int | None = None                                       # torch CPU threads; None = torch default

@@ -235,8 +235,12 @@ def test_dpo_reference_is_the_base_weights_of_the_same_model():
 def test_runtime_resolve(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     rt = Runtime.resolve("auto", "auto")
     assert rt.device.type == "cpu" and rt.dtype == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # bf16 dot products (Zen 4)
+    assert Runtime.resolve("auto", "auto").dtype == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)     # bf16 matmuls in AMX tiles
     assert Runtime.resolve("auto", "auto").dtype == torch.bfloat16
     assert Runtime.resolve("cpu", "fp32").dtype == torch.float32

@@ -26,8 +26,12 @@ FLOORS = {
     "dpo_exact_match_loss": 0.025,          # DPO may cost at most this much exact match (CPU runs +1, −1.5 points;
                                             # sweep −2…+2.5, median 0)
     # dpo.loss ipo / simpo / kto, 100 steps on the default's SFT model, 200 held-out pairs (CPU, 2026-12-03: IPO 0.87,
-    # SimPO 0.78, KTO 0.80; one s.e. ≈ 0.03); the likelihood ranking was 0.99 → 0.98–0.985 (one pair is 0.005)
+    # SimPO 0.78, KTO 0.80 on an fp32-trained default; one s.e. ≈ 0.03); the likelihood ranking was 0.99 → 0.98–0.985
+    # (one pair is 0.005). SimPO optimises a length-normalised likelihood margin, not this reference-relative reward:
+    # on the bf16-trained default (SFT likelihood ranking already 1.0) its seeds 0 / 1 / 2 gave 0.67 / 0.76 / 0.695,
+    # so its floor sits below the lowest seed, as the others do (a SimPO that learns nothing scores ~0.5).
     "variant_implicit_reward_accuracy": 0.70,
+    "simpo_implicit_reward_accuracy": 0.64,
     "variant_logprob_accuracy_loss": 0.03,
     # GRPO, 200 steps at lr 2e-4 on the four arithmetic families, ~170 fresh held-out prompts each (CPU, 2026-12-03):
     # mean exact match of the four +1.9 / +1.05 / +0.6 points over seeds 0-2 (lr 5e-4: +1.6; 16 prompts a step: +0.6);
@@ -107,7 +111,8 @@ def test_each_preference_loss_raises_held_out_preference_accuracy(default_run, t
     before = preference_metrics(sft_model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
     after = preference_metrics(load_policy(base, sft, tmp_path).eval(), tok, pairs, seq_len=cfg.dpo.seq_len,
                                beta=cfg.dpo.beta, ref_model=sft_model)
-    assert after["implicit_reward_accuracy"] >= FLOORS["variant_implicit_reward_accuracy"], after
+    floor = FLOORS["simpo_implicit_reward_accuracy" if loss == "simpo" else "variant_implicit_reward_accuracy"]
+    assert after["implicit_reward_accuracy"] >= floor, after
     assert after["logprob_accuracy"] >= before["logprob_accuracy"] - FLOORS["variant_logprob_accuracy_loss"], (after, before)
 
 

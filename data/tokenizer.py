@@ -245,11 +245,11 @@ def _encode(tok, text: str) -> list[int]:
 
 def prompt_ids(tok, messages: list[dict]) -> list[int]:
     """What the server feeds for `messages`: apply_chat_template(messages, add_generation_prompt=True)."""
-    return _encode(tok, _render(tok, messages, True))
+    return prompt_ids_many(tok, [messages])[0]
 
 
 def prompt_ids_many(tok, conversations: list[list[dict]]) -> list[list[int]]:
-    """prompt_ids of each conversation: rendered one by one, tokenised in one batched call."""
+    """prompt_ids of each conversation: rendered one by one, tokenised in one batched call (as _encode does)."""
     if not conversations:
         return []
     texts = [_render(tok, messages, True) for messages in conversations]

@@ -96,8 +96,8 @@ def check(cfg: Config, world: int | None = None) -> dict[str, dict]:
     Returns per stage: strategy, grad_accum, rows and token slots per optimizer step over all ranks."""
     world = world_size(cfg) if world is None else world
     plan = {}
-    stages = ("sft", "dpo") if cfg.base_model else ("pretrain", "sft", "dpo")
-    for stage in stages + (("rl",) if cfg.rl.enabled else ()):
+    lora = tuple(s for s in LORA_STAGES if s != "rl" or cfg.rl.enabled)
+    for stage in lora if cfg.base_model else ("pretrain", *lora):
         tc, strategy = getattr(cfg, stage), strategy_for(cfg, stage)
         if world > 1 and strategy == "fsdp2" and cfg.precision == "fp16":
             raise UserError(f"precision fp16 is not supported with dist.strategy fsdp2 ({stage} on {world} "

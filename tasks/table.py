@@ -16,6 +16,7 @@ from glm_lora import export
 from glm_lora.configs.schema import Config
 from glm_lora.data import prepare
 from glm_lora.engine import dpo, harness, import_base, pretrain, rl, sft
+from glm_lora.engine.dist import LORA_STAGES
 from glm_lora.export import gguf
 from glm_lora.serve import stage as serve_stage
 
@@ -54,7 +55,7 @@ STAGES: dict[str, Stage] = {
 }
 
 
-DISTRIBUTED = ("pretrain", "sft", "dpo", "rl")     # run under torchrun when dist asks for it (tasks/launch.py)
+DISTRIBUTED = ("pretrain", *LORA_STAGES)     # run under torchrun when dist asks for it (tasks/launch.py)
 
 
 def base_stage(cfg: Config) -> str:

@@ -29,7 +29,7 @@ FLOORS = {
     # SimPO 0.78, KTO 0.80 on an fp32-trained default; one s.e. ≈ 0.03); the likelihood ranking was 0.99 → 0.98–0.985
     # (one pair is 0.005). SimPO optimises a length-normalised likelihood margin, not this reference-relative reward:
     # on the bf16-trained default (SFT likelihood ranking already 1.0) its seeds 0 / 1 / 2 gave 0.67 / 0.76 / 0.695,
-    # so its floor sits below the lowest seed, as the others do (a SimPO that learns nothing scores ~0.5).
+    # so its floor sits below the lowest seed, as the others do (the untouched adapter scores 0: all ties).
     "variant_implicit_reward_accuracy": 0.70,
     "simpo_implicit_reward_accuracy": 0.64,
     "variant_logprob_accuracy_loss": 0.03,

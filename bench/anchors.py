@@ -47,13 +47,17 @@ def liger_llama():
         ml.LlamaForCausalLM.forward = saved_forward
 
 
-def liger_peft(cfg, device: torch.device):
-    """Anchor (a)'s model: HF Llama (flex attention on CUDA) + Liger kernels + PEFT LoRA. Call inside liger_llama()."""
+def liger_peft(cfg, device: torch.device, bf16_base: bool = False):
+    """Anchor (a)'s model: HF Llama (flex attention on CUDA) + Liger kernels + PEFT LoRA. Call inside liger_llama().
+    `bf16_base`: the whole base in bf16, as `from_pretrained(..., torch_dtype=torch.bfloat16)` gives it (PEFT's
+    default `autocast_adapter_dtype` keeps the adapter in fp32)."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
     from bench.workloads import hf_model, hf_peft
     cuda = device.type == "cuda"
     base = hf_model(cfg, device, attn="flex_attention" if cuda else "sdpa", use_cache=False)
+    if bf16_base:
+        base = base.to(torch.bfloat16)
     # CPU smoke runs (TRITON_INTERPRET=1): Liger's RMSNorm and SwiGLU kernels do not run in Triton's interpreter
     apply_liger_kernel_to_llama(rope=True, rms_norm=cuda, swiglu=cuda, cross_entropy=False,
                                 fused_linear_cross_entropy=True, model=base)

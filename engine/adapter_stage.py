@@ -64,16 +64,22 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
 
 
 def _frozen_gemm_weights_in_compute_dtype(model: Decoder, cfg: Config, stage: str, rt) -> bool:
-    """A mixture-of-experts base on CUDA under bf16/fp16 autocast: its frozen GEMM weights (linear layers, the
-    routed experts) are kept in the compute dtype, as a user loads such a model (half the memory of fp32; every
-    matmul already ran in that dtype under autocast). The adapter, norms and embeddings stay fp32. Not under
-    FSDP2, whose mixed-precision policy does this per all-gather. Returns whether it did (evaluation then runs
-    under autocast too)."""
-    if not (model.config.layout.moe and rt.device.type == "cuda" and rt.dtype != torch.float32) or (
-            rt.dist and dist.strategy_for(cfg, stage) == "fsdp2"):
+    """On CUDA under bf16/fp16 autocast, the base's frozen GEMM weights (linear layers, routed experts) are kept
+    in the compute dtype, as a user loads such a model: every matmul already ran in that dtype under autocast, so
+    training is unchanged, but autocast no longer re-casts each frozen fp32 weight at every use (it caches casts of
+    trainable weights only), and the base takes half the memory (bench/RESULTS.md, "bf16 frozen base"). The
+    adapter, modules_to_save, norms and embeddings stay fp32. Not under FSDP2, whose mixed-precision policy casts
+    per all-gather. Returns whether it did (evaluation then runs under autocast too)."""
+    if not frozen_weights_in_compute_dtype(rt.device, rt.dtype, fsdp2=bool(rt.dist)
+                                           and dist.strategy_for(cfg, stage) == "fsdp2"):
         return False
     cast_frozen_gemm_weights(model, rt.dtype)
     return True
+
+
+def frozen_weights_in_compute_dtype(device: torch.device, dtype: torch.dtype, fsdp2: bool = False) -> bool:
+    """Whether a LoRA stage holds its frozen GEMM weights in `dtype` (the one place that decides it)."""
+    return device.type == "cuda" and dtype != torch.float32 and not fsdp2
 
 
 def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:

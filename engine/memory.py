@@ -3,7 +3,7 @@ gradients and AdamW state, and the activations of a micro-batch — for dense an
 process, DDP (a whole replica per GPU) or FSDP2 (parameters, gradients and optimizer state 1/N per GPU).
 
 Counted (a model of the base's layout on the meta device, so every parameter is counted exactly):
-  frozen weights  2 bytes each on CUDA under bf16/fp16 for a MoE base (engine/adapter_stage.py keeps its GEMM
+  frozen weights  2 bytes each on CUDA under bf16/fp16 (engine/adapter_stage.py keeps the base's GEMM
                   weights in the compute dtype), else 4 (fp32 master weights, cast per matmul by autocast; FSDP2's
                   fp32 shards, plus the bf16 all-gather of the largest block twice: it and the prefetched next);
                   nf4 layers (QLoRA) 0.5 byte + their scales (~1/64 × 4 bytes, double-quantised: ~0.52)
@@ -32,9 +32,9 @@ def lora_memory(layout: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, *, wor
         model = Decoder(layout)
         inject_lora(model, lora.model_copy(update={"quantization": "none"}))   # nf4 can't quantise meta tensors
     sharded = strategy == "fsdp2"
-    # FSDP2 keeps fp32 shards (its mixed-precision policy casts each all-gathered block to bf16); otherwise a MoE
-    # base's frozen GEMM weights are bf16 on CUDA (engine/adapter_stage.py)
-    frozen_bytes = 2 if (cuda_half and layout.layout.moe and not sharded) else 4
+    # FSDP2 keeps fp32 shards (its mixed-precision policy casts each all-gathered block to bf16); otherwise the
+    # frozen GEMM weights are bf16 on CUDA (engine/adapter_stage.py)
+    frozen_bytes = 2 if (cuda_half and not sharded) else 4
     nf4 = sum(m.weight.numel() for m in model.modules() if isinstance(m, LoRALinear)) if lora.quantization == "nf4" else 0
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad) - nf4
     experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())

@@ -17,11 +17,12 @@ back exactly these ids, checked). Reward: the share of even token ids in the ans
 function on both sides; random, so advantages are non-zero).
 
 Providers:
-  ours             engine/rollouts.py Rollouts.rollout (engine/evaluate.sample_decode, KV cache) + GRPOLoss through
-                   engine/trainer.train_step (the stage's step), kernels "triton", attention "flex" (padded rows:
-                   causal SDPA either way), fp32 master weights + bf16 autocast, fused AdamW
-  ours_bf16_base   the same with the frozen GEMM weights held in bf16 (model/lora.cast_frozen_gemm_weights, as a
-                   MoE base is on CUDA): the adapter, norms and the tied embedding stay fp32
+  ours             engine/rollouts.py Rollouts.rollout (engine/evaluate.sample_decode, KV cache, the decode step
+                   replayed from a CUDA graph: evaluate.decode_graph_pays) + GRPOLoss through engine/trainer.train_step
+                   (the stage's step), kernels "triton", attention "flex" (padded rows: causal SDPA either way), the
+                   frozen GEMM weights in bf16 as the stage holds them on CUDA (engine/adapter_stage.py; adapter,
+                   norms and the tied embedding fp32) + bf16 autocast, fused AdamW
+  ours_eager_decode  the same with the decode step launched op by op from Python (before 2026-12-03)
   ours_ckpt        ours with activation checkpointing (rl.activation_checkpointing: true), the memory setting TRL's
                    GRPOConfig defaults to
   trl              trl.GRPOTrainer as its docs set it up: base in bf16, PEFT LoRA (fp32 adapter), bf16=True, its
@@ -55,7 +56,7 @@ SHAPES = {
     "smoke": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=128),
 }
-PROVIDERS = ("ours", "trl", "trl_no_gc", "ours_bf16_base", "ours_ckpt")
+PROVIDERS = ("ours", "trl", "trl_no_gc", "ours_eager_decode", "ours_ckpt")
 PROMPTS_PER_STEP, GROUP, LORA_R, LORA_ALPHA, LR = 8, 8, 16, 32, 1e-5
 
 
@@ -114,10 +115,11 @@ def summarise(step_s: list[float], rollout_s: list[float], generate_s: list[floa
 
 
 # ------------------------------------------------------------------------------------------------ ours
-def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, bf16_base: bool, ckpt: bool = False) -> dict:
+def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: bool = True, ckpt: bool = False) -> dict:
     from glm_lora import kernels
     from glm_lora.configs.schema import LoRAConfig, RLConfig
     from glm_lora.engine import evaluate, rollouts as rollouts_mod
+    from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
     from glm_lora.engine.losses import GRPOLoss
     from glm_lora.engine.optim import build_optimizer
     from glm_lora.engine.trainer import Runtime, train_step
@@ -133,8 +135,8 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, bf16_base
     t_load = time.perf_counter()
     model = load_hf(model_dir)
     inject_lora(model, tc.lora)
-    if bf16_base:
-        cast_frozen_gemm_weights(model, torch.bfloat16)
+    if frozen_weights_in_compute_dtype(device, rt.dtype):
+        cast_frozen_gemm_weights(model, rt.dtype)
     model.to(device).train()
     model.gradient_checkpointing = ckpt         # what engine/fit.py sets from rl.activation_checkpointing
     load_s = time.perf_counter() - t_load
@@ -159,7 +161,7 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, bf16_base
     def timed_sample(*a, **k):
         sync()
         t = time.perf_counter()
-        out = real_sample(*a, **k)
+        out = real_sample(*a, **{**k, "cuda_graph": k["cuda_graph"] and graphs})
         sync()
         generate_s.append(time.perf_counter() - t)
         return out
@@ -291,7 +293,7 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=128, help="new tokens per answer (forced, both sides)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--providers", default="ours,trl,trl_no_gc,ours_ckpt,ours_bf16_base")
+    ap.add_argument("--providers", default="ours,trl,trl_no_gc,ours_ckpt,ours_eager_decode")
     ap.add_argument("--deadline-s", type=float, default=0, help="skip providers not started by then (0: none)")
     ap.add_argument("--out", default="")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, fp32, to check the script runs")
@@ -318,9 +320,6 @@ def main() -> None:
     for p in [p for p in args.providers.split(",") if p]:
         if p not in PROVIDERS:
             raise SystemExit(f"unknown provider {p}; choose from {PROVIDERS}")
-        if p == "ours_bf16_base" and args.smoke:
-            results[p] = {"skipped": "needs CUDA autocast (bf16 frozen weights)"}
-            continue
         if args.deadline_s and time.perf_counter() - t0 > args.deadline_s:
             results[p] = {"skipped": "deadline"}
             continue
@@ -329,7 +328,7 @@ def main() -> None:
             free()
         try:
             if p.startswith("ours"):
-                results[p] = ours(model_dir, prompts, tok, args, device, bf16_base=p == "ours_bf16_base",
+                results[p] = ours(model_dir, prompts, tok, args, device, graphs=p != "ours_eager_decode",
                                   ckpt=p == "ours_ckpt")
             else:
                 results[p] = trl(model_dir, prompts, tok, args, device, gc_on=p == "trl", work=work)
@@ -350,7 +349,7 @@ def main() -> None:
         if out:
             (out / "rl_gpu_partial.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
     cmp = {}
-    for o in ("ours", "ours_bf16_base", "ours_ckpt"):
+    for o in ("ours", "ours_eager_decode", "ours_ckpt"):
         for t in ("trl", "trl_no_gc"):
             a, b = results.get(o, {}), results.get(t, {})
             if "samples_per_s" in a and "samples_per_s" in b:

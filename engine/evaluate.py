@@ -173,12 +173,13 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
 
 def sample_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: "int | Iterable[int] | None",
                   temperature: float, generator: torch.Generator, batch_size: int = 64,
-                  any_running: Callable[[bool], bool] = bool) -> list[list[int]]:
+                  any_running: Callable[[bool], bool] = bool, cuda_graph: bool = False) -> list[list[int]]:
     """Like greedy_decode, but each token drawn from softmax(logits / temperature) with `generator` (the RL stage's
     rollouts: the same generator state draws the same answers). Every prompt must leave room for max_new_tokens
     within model.config.max_seq_len (no cropping: a sampled answer is scored against its whole prompt).
     `any_running(this process still decoding) -> whether any is`: an FSDP2-sharded model all-gathers its weights in
-    every forward, so all ranks must take the same number of decode steps (they stop when every rank is done)."""
+    every forward, so all ranks must take the same number of decode steps (they stop when every rank is done).
+    `cuda_graph`: replay each batch's decode step from a CUDA graph (GraphedDecodeStep; decode_graph_pays says where)."""
     limit = model.config.max_seq_len - max_new_tokens + 1
     if any(len(p) > limit for p in prompts):
         raise ValueError(f"sample_decode: a prompt is longer than {limit} tokens (max_seq_len - max_new_tokens + 1)")
@@ -189,12 +190,12 @@ def sample_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
 
     stop, out = _stop_set(eos_id), []
     for s in range(0, len(prompts), batch_size):
-        out += _decode_batch(model, prompts[s:s + batch_size], max_new_tokens, stop, draw, any_running)
+        out += _decode_batch(model, prompts[s:s + batch_size], max_new_tokens, stop, draw, any_running, cuda_graph)
     return out
 
 
 def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], pick,
-                  any_running: Callable[[bool], bool] = bool) -> list[list[int]]:
+                  any_running: Callable[[bool], bool] = bool, cuda_graph: bool = False) -> list[list[int]]:
     """One batch of prompts decoded together with a KV cache; `pick(logits (A, V)) -> (A,)` chooses each token.
     Rows are right-padded: one causal forward over the prompts fills the cache (a real token never sees the
     padding after it) and gives each row's first token at its own last position; then each step feeds every row's
@@ -213,6 +214,8 @@ def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: se
     hidden = model.hidden_states(buf, positions, cache=cache)                       # (A, W, C)
     last = hidden[torch.arange(len(prompts), device=device), lens - 1]              # (A, C)
     running = torch.ones(len(prompts), dtype=torch.bool, device=device)
+    decode = GraphedDecodeStep(model, cache) if cuda_graph else (
+        lambda tokens, positions: model.hidden_states(tokens, positions, cache=cache)[:, 0])
     for step in range(max_new_tokens):
         nxt = pick(model.lm_head(last))                                             # (A,)
         for r, (t, live) in enumerate(zip(nxt.tolist(), running.tolist())):
@@ -221,9 +224,55 @@ def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: se
         running &= ~torch.isin(nxt, stop_ids)
         if step == max_new_tokens - 1 or not any_running(bool(running.any())):
             break
-        last = model.hidden_states(nxt[:, None], lens[:, None], cache=cache)[:, 0]     # (A, C)
+        last = decode(nxt[:, None], lens[:, None])                                      # (A, C)
         lens += 1
     return out
+
+
+def decode_graph_pays(model) -> bool:
+    """Whether sample_decode replays its decode step from a CUDA graph: on CUDA, for a dense model that is not
+    sharded. A decode step is ~30 small kernels a layer, so launching them from Python bounds a small model's
+    decoding (bench/RESULTS.md, "GRPO step vs TRL"); a graph launches them all at once. Not for FSDP2 (its forward
+    all-gathers) nor mixture-of-experts models (not measured)."""
+    from glm_lora.engine.dist import is_sharded
+    return _device(model).type == "cuda" and not model.config.layout.moe and not is_sharded(model)
+
+
+class GraphedDecodeStep:
+    """`model.hidden_states(tokens (A, 1), positions (A, 1), cache)[:, 0]` for one batch's decode steps: the first
+    call runs eagerly (which also compiles and tunes every kernel) and captures the step into a CUDA graph; later
+    calls copy their inputs into the graph's and replay it. Same kernels, same inputs, so the same numbers as the
+    eager step (tests/gpu/test_decode_graph_gpu.py). The cache's buffers exist from the prefill on, so the graph
+    writes each step's keys and values where the eager step would. The returned tensor is overwritten by the next
+    call. Autocast's weight-cast cache is off inside: the graph casts the (trainable, fp32) adapter weights itself
+    at each replay, so it never reads a cast made for other weights."""
+
+    def __init__(self, model, cache: KVCache):
+        self.model, self.cache, self.graph = model, cache, None
+
+    def _step(self) -> torch.Tensor:
+        device = self.tokens.device.type
+        uncached = (torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
+                    if torch.is_autocast_enabled(device) else contextlib.nullcontext())
+        with uncached:
+            return self.model.hidden_states(self.tokens, self.positions, cache=self.cache)[:, 0]
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            self.tokens.copy_(tokens)
+            self.positions.copy_(positions)
+            self.graph.replay()
+            return self.out
+        self.tokens, self.positions = tokens.clone(), positions.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+        return first
 
 
 def greedy_answers(model, tok, prompts: list[list[dict]], *, max_new_tokens: int = 24,

@@ -112,7 +112,8 @@ class Rollouts:
         lockstep = d.any if d is not None and dist.is_sharded(self.model) else bool
         with evaluate._evaluating(self.model), self.rt.autocast():
             answers = evaluate.sample_decode(self.model, prompts, max_new_tokens=tc.max_new_tokens, eos_id=self.stop,
-                                             temperature=tc.temperature, generator=generator, any_running=lockstep)
+                                             temperature=tc.temperature, generator=generator, any_running=lockstep,
+                                             cuda_graph=evaluate.decode_graph_pays(self.model))
         stop = set(self.stop)
         scores = []
         for i, answer in enumerate(answers):

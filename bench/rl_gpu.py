@@ -359,7 +359,7 @@ def main() -> None:
                      "train_time": a["train_s_mean"] / b["train_s_mean"]}
                 if a.get("peak_mem_gb") and b.get("peak_mem_gb"):
                     c["peak_mem"] = a["peak_mem_gb"] / b["peak_mem_gb"]
-                    c["target_met"] = c["samples_per_s"] >= 2 and c["peak_mem"] <= 0.7
+                    c["target_met"] = bool(c["samples_per_s"] >= 2 and c["peak_mem"] <= 0.7)
                 cmp[f"{o}_vs_{t}"] = c
     figures["compare"] = cmp
     print("compare:", json.dumps(cmp, indent=1))

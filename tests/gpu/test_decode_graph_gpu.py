@@ -43,15 +43,20 @@ def test_graphed_decoding_gives_the_eager_tokens(arch, precision):
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     ps = prompts()
     with kernels.using("auto", "auto"), torch.no_grad(), amp:
-        for eos in (None, 7):
-            runs = [evaluate.sample_decode(m, ps, max_new_tokens=40, eos_id=eos, temperature=1.0, batch_size=4,
-                                           generator=torch.Generator("cuda").manual_seed(5), cuda_graph=graph)
-                    for graph in (False, True)]
-            assert runs[0] == runs[1]
-            assert all(len(a) == 40 for a in runs[0]) if eos is None else any(a[-1] == 7 for a in runs[0])
-            greedy = [evaluate._decode_batch(m, ps, 40, {eos} if eos else set(), lambda x: x.argmax(-1),
+        def both(eos):
+            sampled = [evaluate.sample_decode(m, ps, max_new_tokens=40, eos_id=eos, temperature=1.0, batch_size=4,
+                                              generator=torch.Generator("cuda").manual_seed(5), cuda_graph=graph)
+                       for graph in (False, True)]
+            greedy = [evaluate._decode_batch(m, ps, 40, {eos} if eos is not None else set(), lambda x: x.argmax(-1),
                                              cuda_graph=graph) for graph in (False, True)]
-            assert greedy[0] == greedy[1]
+            assert sampled[0] == sampled[1] and greedy[0] == greedy[1]
+            return sampled[0], greedy[0]
+
+        sampled, greedy = both(None)
+        assert all(len(a) == 40 for a in sampled + greedy)
+        eos = max(range(VOCAB), key=[t for a in sampled for t in a[1:]].count)    # a token the answers do draw
+        sampled, _ = both(eos)
+        assert any(a[-1] == eos and len(a) < 40 for a in sampled)
 
 
 def test_a_second_call_sees_updated_weights():

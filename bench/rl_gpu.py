@@ -25,6 +25,8 @@ Providers:
   ours_eager_decode  the same with the decode step launched op by op from Python (before 2026-12-03)
   ours_ckpt        ours with activation checkpointing (rl.activation_checkpointing: true), the memory setting TRL's
                    GRPOConfig defaults to
+  ours_ckpt_chunks4  ours_ckpt with each rollout's 64 answers trained in 4 micro-batches of 16 (rl.train_chunks: 4,
+                   gradients accumulated: the same update)
   trl              trl.GRPOTrainer as its docs set it up: base in bf16, PEFT LoRA (fp32 adapter), bf16=True, its
                    default gradient checkpointing on, transformers generate()
   trl_no_gc        the same with gradient_checkpointing=False (faster, more memory)
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import shutil
 import tempfile
@@ -56,7 +59,7 @@ SHAPES = {
     "smoke": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=128),
 }
-PROVIDERS = ("ours", "trl", "trl_no_gc", "ours_eager_decode", "ours_ckpt")
+PROVIDERS = ("ours", "trl", "trl_no_gc", "ours_eager_decode", "ours_ckpt", "ours_ckpt_chunks4")
 PROMPTS_PER_STEP, GROUP, LORA_R, LORA_ALPHA, LR = 8, 8, 16, 32, 1e-5
 
 
@@ -115,7 +118,8 @@ def summarise(step_s: list[float], rollout_s: list[float], generate_s: list[floa
 
 
 # ------------------------------------------------------------------------------------------------ ours
-def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: bool = True, ckpt: bool = False) -> dict:
+def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: bool = True, ckpt: bool = False,
+         chunks: int = 1) -> dict:
     from glm_lora import kernels
     from glm_lora.configs.schema import LoRAConfig, RLConfig
     from glm_lora.engine import evaluate, rollouts as rollouts_mod
@@ -130,7 +134,9 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
     rt = Runtime(device, torch.float32 if smoke else torch.bfloat16)
     tc = RLConfig(batch_size=PROMPTS_PER_STEP, group_size=GROUP, max_new_tokens=args.completion, temperature=1.0,
                   seq_len=args.prompt + args.completion, lr=LR, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0,
-                  max_steps=10_000, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA, target_modules="all-linear"))
+                  max_steps=10_000, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA, target_modules="all-linear"),
+                  train_chunks=chunks)
+    tc = tc.model_copy(update={"grad_accum": chunks})   # as engine/fit.py sets it: each rollout arrives in `chunks` parts
     torch.manual_seed(0)
     t_load = time.perf_counter()
     model = load_hf(model_dir)
@@ -167,13 +173,16 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
         return out
 
     def timed_batches(stream):
-        while True:
+        for part in itertools.count():          # a rollout arrives in `chunks` parts: its time is theirs together
             sync()
             t = time.perf_counter()
             b = next(stream)
             sync()
-            rollout_s.append(time.perf_counter() - t)
-            lengths.append(float(b["rollout_completion_length"]))
+            if part % chunks == 0:
+                rollout_s.append(time.perf_counter() - t)
+                lengths.append(float(b["rollout_completion_length"]))
+            else:
+                rollout_s[-1] += time.perf_counter() - t
             yield b
 
     loss = GRPOLoss.of(tc)
@@ -329,7 +338,7 @@ def main() -> None:
         try:
             if p.startswith("ours"):
                 results[p] = ours(model_dir, prompts, tok, args, device, graphs=p != "ours_eager_decode",
-                                  ckpt=p == "ours_ckpt")
+                                  ckpt=p.startswith("ours_ckpt"), chunks=4 if p.endswith("_chunks4") else 1)
             else:
                 results[p] = trl(model_dir, prompts, tok, args, device, gc_on=p == "trl", work=work)
         except Exception as e:          # one provider failing must not lose the others' figures
@@ -349,7 +358,7 @@ def main() -> None:
         if out:
             (out / "rl_gpu_partial.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
     cmp = {}
-    for o in ("ours", "ours_eager_decode", "ours_ckpt"):
+    for o in ("ours", "ours_eager_decode", "ours_ckpt", "ours_ckpt_chunks4"):
         for t in ("trl", "trl_no_gc"):
             a, b = results.get(o, {}), results.get(t, {})
             if "samples_per_s" in a and "samples_per_s" in b:

@@ -264,9 +264,16 @@ class RLConfig(TrainConfig):
     # grpo: each answer's mean token loss, averaged over answers (the paper); token: every answer token weighs the
     # same over the whole batch (DAPO's token-level loss: long answers are not under-weighted).
     loss_type: Literal["grpo", "token"] = "grpo"
+    # Train each rollout's batch_size × group_size answers in this many equal micro-batches, gradients accumulated:
+    # the same update with 1/train_chunks of the training activations (sampling stays one batch, which is what
+    # keeps it fast). Memory, not speed: with activation_checkpointing it is what brings the stage's peak down.
+    train_chunks: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _online(self):
+        if (self.batch_size * self.group_size) % self.train_chunks:
+            raise ValueError(f"rl.train_chunks ({self.train_chunks}) must divide rl.batch_size × rl.group_size "
+                             f"({self.batch_size} × {self.group_size}): the answers are split into equal parts")
         if self.eval_every:
             raise ValueError("rl.eval_every must be 0: the RL stage has no held-out loss (its held-out view is the "
                              "exact match after training, eval.enabled)")

@@ -60,6 +60,8 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
     section = tc        # as configured: names the checkpoint directory, which must not depend on the world size
     if tc.global_batch_size is not None:
         tc = tc.model_copy(update={"grad_accum": dist.grad_accum(cfg, stage, d.world_size if d else 1)})
+    if getattr(tc, "train_chunks", 1) > 1:      # rl: each rollout arrives as train_chunks micro-batches
+        tc = tc.model_copy(update={"grad_accum": tc.grad_accum * tc.train_chunks})
     extra = {}
     if d:
         with d.main_first():        # rank 0 tokenises into the shared cache, the others then open it

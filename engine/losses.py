@@ -204,7 +204,8 @@ class GRPOLoss:
                                         clip_epsilon=self.clip_epsilon, ref_logp=ref, kl_beta=self.kl_beta)
         tokens = mask.sum(1).clamp(min=1)
         if self.loss_type == "token":
-            loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+            # a rollout trained in parts (rl.train_chunks) divides by its share of the whole rollout's tokens
+            loss = (per_token * mask).sum() / batch.get("token_norm", mask.sum().clamp(min=1))
         else:
             loss = ((per_token * mask).sum(1) / tokens).mean()
         rollout = {k[len("rollout_"):]: v for k, v in batch.items() if k.startswith("rollout_")}

@@ -86,7 +86,7 @@ class Rollouts:
                 batch = self.rollout(cursor, rank, world_size)
                 cursor += tc.batch_size * world_size
                 batch["data_state"] = {"cursor": cursor}
-                yield batch
+                yield from chunks(batch, tc.train_chunks)
         return make, {"rl_prompts": len(self.rows), "rl_rewards": list(self.rewards)}
 
     # ------------------------------------------------------------------------------------------------------
@@ -147,3 +147,22 @@ class Rollouts:
                 "rollout_reward_mean": total.mean(), "rollout_reward_std": total.std(unbiased=False),
                 "rollout_completion_length": lengths.mean(),
                 "rollout_flat_groups": (total.min(1).values == total.max(1).values).float().mean(), **per_reward}
+
+
+def chunks(batch: dict, k: int) -> Iterator[dict]:
+    """A rollout's batch as k micro-batches of equal numbers of answers (rl.train_chunks), each trimmed to its own
+    longest row; the rollout's statistics and data state ride on every part. `token_norm` = the rollout's answer
+    tokens / k, so that the token-level loss averaged over the parts is the whole rollout's token mean."""
+    if k == 1:
+        yield batch
+        return
+    n = batch["input_ids"].shape[0] // k
+    norm = torch.tensor(batch["num_tokens"] / k)
+    for c in range(k):
+        rows = slice(c * n, (c + 1) * n)
+        labels = batch["labels"][rows]
+        answered = (labels != IGNORE).any(0).nonzero()
+        width = int(answered.max()) + 1 if len(answered) else labels.shape[1]
+        ids = batch["input_ids"][rows, :width]
+        yield {**batch, "input_ids": ids, "labels": labels[:, :width], "advantages": batch["advantages"][rows],
+               "num_tokens": int((labels != IGNORE).sum()), "capacity": ids.numel(), "token_norm": norm}

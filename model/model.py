@@ -132,6 +132,14 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
+def _attention_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes `t` in: under CUDA autocast SDPA casts to the autocast dtype; on the CPU
+    attention runs in fp32 under autocast (kernels/reference.attention), so a tensor keeps its own."""
+    if t.is_cuda and torch.is_autocast_enabled("cuda") and t.is_floating_point():
+        return torch.get_autocast_dtype("cuda")
+    return t.dtype
+
+
 class KVCache:
     """Every layer's keys and values so far, for incremental greedy decoding (engine/evaluate.py).
 
@@ -154,9 +162,10 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, D) at this forward's positions; return what attention sees."""
-        if layer == len(self.k):     # each in its own dtype: under autocast, q/k-normed keys (qwen3) come out of
-            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1]))   # the fp32 RMSNorm, values in bf16
-            self.v.append(v.new_zeros(*v.shape[:2], self.slots, v.shape[-1]))
+        if layer == len(self.k):     # each in the dtype attention reads it in: under autocast, q/k-normed keys (qwen3)
+            # come out of the fp32 RMSNorm, values in bf16; CUDA attention casts both to bf16 (the CPU's stays fp32)
+            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1], dtype=_attention_dtype(k)))
+            self.v.append(v.new_zeros(*v.shape[:2], self.slots, v.shape[-1], dtype=_attention_dtype(v)))
         where = self.positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
         self.k[layer].scatter_(2, where, k.to(self.k[layer].dtype))
         self.v[layer].scatter_(2, where, v.to(self.v[layer].dtype))

@@ -246,6 +246,67 @@ def test_rollout_batches_label_the_answers_and_normalise_each_group(run_dir):
                  Runtime(torch.device("cpu"), torch.float32))
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "token"])
+def test_a_rollout_trained_in_chunks_takes_the_same_step(run_dir, loss_type):
+    """rl.train_chunks: the rollout's answers as equal micro-batches, each trimmed to its longest row, losses
+    accumulated as train_step does (1/k each) — the same gradient as the whole rollout at once, for both losses."""
+    from glm_lora.engine.rollouts import chunks
+    cfg = _cfg(run_dir, **{"rl.loss_type": loss_type, "rl.kl_beta": 0.1})
+    tok = load_tokenizer(run_dir / "tokenizer")
+    model = _decoder(len(tok), max_seq_len=128)
+    inject_lora(model, LoRAConfig(r=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    batch = next(Rollouts(cfg, tok, run_dir / "data", model, Runtime(torch.device("cpu"), torch.float32))
+                 .batches("rl", cfg.rl)[0](None))
+    loss = GRPOLoss.of(cfg.rl)
+
+    def grads(parts):
+        model.zero_grad(set_to_none=True)
+        for part in parts:
+            (loss(model, part)[0] / len(parts)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    whole = grads([batch])
+    for k in (2, 3, 4):
+        parts = list(chunks(batch, k))
+        assert len(parts) == k and sum(p["num_tokens"] for p in parts) == batch["num_tokens"]
+        assert all(p["data_state"] == batch["data_state"] for p in parts)
+        assert max(p["input_ids"].shape[1] for p in parts) == batch["input_ids"].shape[1]
+        split = grads(parts)
+        for n in whole:
+            torch.testing.assert_close(split[n], whole[n], atol=1e-6, rtol=1e-4, msg=n)
+    with pytest.raises(ValueError, match=r"rl.train_chunks \(5\) must divide rl.batch_size × rl.group_size \(3 × 4\)"):
+        _cfg(run_dir, **{"rl.train_chunks": 5})
+
+
+def test_the_stage_in_chunks_trains_the_same_adapter(run_dir, tmp_path, monkeypatch):
+    from glm_lora.engine import rl
+    from safetensors.torch import load_file
+    (tmp_path / "by_length.py").write_text("def reward(completion, **kw):\n    return float(len(completion) % 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))             # answers of a random model differ in length, not in right
+    adapters = []
+    for k in (1, 4):
+        out = tmp_path / f"out{k}"
+        out.mkdir()
+        # one step: a second one samples from the updated weights, where float rounding may draw other tokens
+        rl.run(_cfg(run_dir, **{"rl.max_steps": 1, "rl.train_chunks": k, "runs_dir": str(tmp_path / f"runs{k}"),
+                                "rl.rewards": ["by_length:reward"]}), _inputs(run_dir), out)
+        adapters.append(load_file(next(out.glob("*.safetensors"))))
+    assert adapters[0].keys() == adapters[1].keys()
+    moved = [n for n in adapters[0] if "lora_B" in n and adapters[0][n].abs().max() > 0]
+    assert moved                                            # the step trained the adapter
+    # AdamW's first step moves each weight by ~lr·sign(g): where g is ~0 the summation order of the parts can move it
+    # differently (1 of 512 weights here), so compare the step's loss exactly and nearly every weight
+    losses = [json.loads((tmp_path / f"out{k}" / "metrics.jsonl").read_text().splitlines()[0])["loss"] for k in (1, 4)]
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+    off = sum(int(((adapters[1][n] - adapters[0][n]).abs() > 1e-5).sum()) for n in adapters[0])
+    assert off <= 0.005 * sum(t.numel() for t in adapters[0].values()), off
+    sys.modules.pop("by_length", None)
+
+
 def test_prompts_too_long_even_cut_are_counted_in_a_warning(run_dir, caplog):
     tok = load_tokenizer(run_dir / "tokenizer")
     model = _decoder(len(tok), max_seq_len=128)

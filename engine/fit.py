@@ -60,8 +60,9 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
     section = tc        # as configured: names the checkpoint directory, which must not depend on the world size
     if tc.global_batch_size is not None:
         tc = tc.model_copy(update={"grad_accum": dist.grad_accum(cfg, stage, d.world_size if d else 1)})
-    if getattr(tc, "train_chunks", 1) > 1:      # rl: each rollout arrives as train_chunks micro-batches
-        tc = tc.model_copy(update={"grad_accum": tc.grad_accum * tc.train_chunks})
+    parts = getattr(tc, "train_chunks", 1)      # rl: each rollout arrives as train_chunks micro-batches
+    if parts > 1:
+        tc = tc.model_copy(update={"grad_accum": tc.grad_accum * parts})
     extra = {}
     if d:
         with d.main_first():        # rank 0 tokenises into the shared cache, the others then open it
@@ -73,7 +74,7 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
         train_loss = dist.parallelize(model, loss_fn, strategy, rt)
         torch.manual_seed(tc.seed + 1_000_003 * (d.rank + 1))    # each rank its own dropout masks from here
         extra = {"world_size": d.world_size, "strategy": strategy, "grad_accum": tc.grad_accum,
-                 "global_batch_size": tc.batch_size * tc.grad_accum * d.world_size}
+                 "global_batch_size": tc.batch_size * tc.grad_accum // parts * d.world_size}
     else:
         make_batches, summary_data = data.batches(stage, tc)
         ckpt = Checkpointer.for_stage(cfg, stage, section, inputs, model)

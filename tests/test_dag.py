@@ -580,13 +580,21 @@ def test_the_dag_on_two_processes_completes_and_a_failing_rank_fails_its_stage(d
     artifacts are the single-process ones. A rank that raises fails the stage with its own message:
     a user error is not retried, anything else is (and resumes from the stage's checkpoint)."""
     overrides = {**dag["overrides"], "run_name": "two-ranks", "serve.enabled": False, "dist.nproc_per_node": 2,
-                 "pretrain.max_steps": 20, "sft.max_steps": 8, "dpo.max_steps": 4}
+                 "pretrain.max_steps": 20, "sft.max_steps": 8, "dpo.max_steps": 4,
+                 # rl too, each rank's rollout trained in two parts (DDP: gradients reduced on the last part only)
+                 "rl.enabled": True, "rl.max_steps": 2, "rl.batch_size": 2, "rl.group_size": 4,
+                 "rl.max_new_tokens": 6, "rl.train_chunks": 2, "rl.log_every": 1}
     result, states = _run(overrides)
-    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf")}
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "rl", "export", "gguf")}
     run_dir = Path(overrides["runs_dir"]) / "two-ranks"
-    for stage in ("pretrain", "sft", "dpo"):
+    for stage in ("pretrain", "sft", "dpo", "rl"):
         metrics = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]
         assert metrics["world_size"] == 2 and metrics["strategy"] == ("fsdp2" if stage == "pretrain" else "ddp")
+    rl = json.loads((run_dir / "rl" / "manifest.json").read_text())["metrics"]
+    assert rl["grad_accum"] == 2 and rl["global_batch_size"] == 2 * 2     # micro-batches = parts; prompts × ranks
+    assert [json.loads(x)["step"] for x in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    exported = json.loads((run_dir / "export" / "manifest.json").read_text())["metrics"]
+    assert set(exported["adapters"]) == {"sft", "dpo", "rl"}
     assert (run_dir / "export" / "merged" / "model.safetensors").is_file()
 
     from glm_lora.flows.glm_lora import glm_lora

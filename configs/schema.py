@@ -268,6 +268,10 @@ class RLConfig(TrainConfig):
     # the same update with 1/train_chunks of the training activations (sampling stays one batch, which is what
     # keeps it fast). Memory, not speed: with activation_checkpointing it is what brings the stage's peak down.
     train_chunks: int = Field(1, ge=1)
+    # Who samples the answers: ours (engine/evaluate.sample_decode, in the training process) or vllm (a vLLM server
+    # beside the trainer, the adapter loaded into it after every update: engine/vllm_rollouts.py; one process only).
+    sampler: Literal["ours", "vllm"] = "ours"
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)   # vLLM's share of the GPU it shares with training
 
     @model_validator(mode="after")
     def _online(self):

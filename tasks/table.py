@@ -15,10 +15,11 @@ from typing import Callable
 from glm_lora import export
 from glm_lora.configs.schema import Config
 from glm_lora.data import prepare
-from glm_lora.engine import dpo, harness, import_base, pretrain, rl, sft
+from glm_lora.engine import dpo, harness, import_base, pretrain, sft
 from glm_lora.engine.dist import LORA_STAGES
 from glm_lora.export import gguf
 from glm_lora.serve import stage as serve_stage
+from glm_lora.tasks.rl_sampler import rl_stage
 
 TRAINING_CODE = ("configs", "data", "engine", "kernels", "model")
 StageFunction = Callable[[Config, dict[str, Path], Path], dict]
@@ -43,7 +44,8 @@ STAGES: dict[str, Stage] = {
     "sft": Stage(sft.run, ("base", "tokenizer", "data"), ("sft", *_ENGINE), TRAINING_CODE),
     "dpo": Stage(dpo.run, ("base", "sft", "tokenizer", "data"), ("dpo", *_ENGINE), TRAINING_CODE),
     # Optional (rl.enabled): GRPO on the DPO model; `glm-lora stage rl` runs it on a run's cached stages
-    "rl": Stage(rl.run, ("base", "sft", "dpo", "tokenizer", "data"), ("rl", *_ENGINE), TRAINING_CODE),
+    "rl": Stage(rl_stage, ("base", "sft", "dpo", "tokenizer", "data"), ("rl", *_ENGINE),
+                TRAINING_CODE + ("export", "serve", "tasks")),     # rl.sampler vllm: tasks/rl_sampler.py
     "export": Stage(export.run, ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
                     ("export",) + TRAINING_CODE, ignore=("eval.harness",)),
     # Optional (eval.harness.tasks non-empty): lm-evaluation-harness on export/merged (and base/); the serve stage's

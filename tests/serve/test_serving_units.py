@@ -68,6 +68,13 @@ def test_vllm_args_on_cuda(tmp_path):
         vs.vllm_args(tmp_path / "m", port=9000, served_model_name="a", device="cuda", max_lora_rank=8)
 
 
+def test_vllm_args_for_an_adapter_loaded_at_run_time(tmp_path):
+    """The RL stage's server (tasks/rl_sampler.py): LoRA on, no adapter at start, room for exactly one."""
+    args = vs.vllm_args(tmp_path / "m", port=9000, served_model_name="base", device="cpu", runtime_lora_rank=16)
+    assert "--enable-lora" in args and "--lora-modules" not in args
+    assert (_flag(args, "--max-lora-rank"), _flag(args, "--max-loras"), _flag(args, "--max-cpu-loras")) == ("16", "1", "1")
+
+
 def test_serve_config_checks():
     with pytest.raises(ConfigError, match="serve.host 0.0.0.0 is reachable from other machines"):
         load_config("tiny", {"serve.host": "0.0.0.0"})

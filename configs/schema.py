@@ -259,6 +259,9 @@ class RLConfig(TrainConfig):
     # called as fn(completion, reference=..., prompt=..., task=..., finished=...) -> float.
     rewards: list[str] = Field(["exact_match"], min_length=1)
     families: list[str] = []              # sample prompts of these task families only ("task" field); [] = all
+    # The prompts to sample answers to: a JSONL file in any SFT format (chat / ShareGPT / Alpaca rows), the last
+    # assistant message of each row the reference the rewards see, an optional "task" field; null = the SFT split.
+    prompts: Path | None = None
     clip_epsilon: float = Field(0.2, gt=0, lt=1)
     kl_beta: float = Field(0.0, ge=0)     # 0: no KL term and no reference forward (DAPO, Dr. GRPO drop it too)
     # grpo: each answer's mean token loss, averaged over answers (the paper); token: every answer token weighs the

@@ -23,6 +23,7 @@ from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
 from glm_lora.data.tokenizer import load_tokenizer
 from glm_lora.model.hf import check_tokenizer_fits, check_weights, read_hf_config
 from glm_lora.engine import harness, rewards
+from glm_lora.engine.evaluate import read_task_rows
 from glm_lora.model import gguf_support
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig
@@ -68,9 +69,26 @@ def _check_lora(cfg: Config, layout: DecoderConfig) -> None:
 
 
 def _check_rl(cfg: Config) -> None:
-    """The RL stage's reward functions import and exist, before any stage trains."""
+    """The RL stage's reward functions import and exist, and its prompt file (rl.prompts) reads, before any stage
+    trains."""
     if cfg.rl.enabled:
         rewards.resolve(cfg.rl.rewards)
+        if cfg.rl.prompts is not None:
+            _check_rl_prompts(cfg)
+
+
+def _check_rl_prompts(cfg: Config) -> None:
+    path = cfg.rl.prompts
+    if not path.is_file():
+        raise UserError(f"rl.prompts: {path} is not a file")
+    rows = read_task_rows(path, on_bad_row=cfg.data.on_bad_row, max_line_bytes=cfg.data.max_line_bytes)
+    for k, row in enumerate(rows):
+        conv = row["conversations"]
+        if len(conv) < 2 or conv[-1]["role"] != "assistant":
+            raise UserError(f"rl.prompts: {path}: row {k + 1} must end with an assistant message (the reference "
+                            "answer the rewards compare with) after at least one user message")
+    if not rows:
+        raise UserError(f"rl.prompts: {path} has no rows")
 
 
 def _check_memory(cfg: Config, layout: DecoderConfig) -> None:

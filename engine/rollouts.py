@@ -56,14 +56,14 @@ class Rollouts:
         self._epoch: tuple[int, np.ndarray | None] = (-1, None)
 
     def _prompts(self, cfg: Config, data_dir: Path) -> list[dict]:
-        path = split_path(data_dir, "sft")
+        path = self.tc.prompts or split_path(data_dir, "sft")
         rows = evaluate.read_task_rows(path, on_bad_row=cfg.data.on_bad_row, max_line_bytes=cfg.data.max_line_bytes)
         numbered = list(enumerate(rows))        # row numbers of the split, before any family filter
         wanted = set(self.tc.families)
         if wanted:
             have = sorted({r["task"] for r in rows})
             if wanted - set(have):
-                raise UserError(f"rl.families {sorted(wanted - set(have))} match no SFT row; families there: {have}")
+                raise UserError(f"rl.families {sorted(wanted - set(have))} match no row of {path}; families there: {have}")
             numbered = [(k, r) for k, r in numbered if r["task"] in wanted]
         room = min(self.tc.seq_len, self.model.config.max_seq_len) - self.tc.max_new_tokens
         if room < 8:
@@ -75,9 +75,9 @@ class Rollouts:
         out = [{"prompt": prompt, "reference": reference, "task": r["task"], "ids": ids}
                for (prompt, reference), (_, r), ids in zip(split, numbered, ids_all) if len(ids) <= room]
         if not out:
-            raise UserError(f"rl: no SFT prompt fits in rl.seq_len - rl.max_new_tokens = {room} tokens")
+            raise UserError(f"rl: no prompt of {path} fits in rl.seq_len - rl.max_new_tokens = {room} tokens")
         if len(out) < len(split):
-            log.warning("rl: %d of %d SFT prompts are longer than rl.seq_len - rl.max_new_tokens = %d tokens even "
+            log.warning("rl: %d of %d prompts are longer than rl.seq_len - rl.max_new_tokens = %d tokens even "
                         "cut; they are left out", len(split) - len(out), len(split), room)
         return out
 

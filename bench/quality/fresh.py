@@ -21,3 +21,16 @@ def fresh_rows(run_dir: Path, families: list[str], work_dir: Path | None = None,
     seen = {json.dumps(r["conversations"][:-1]) for r in read_task_rows(split_path(Path(run_dir) / "data", "sft"))}
     return [r for r in read_task_rows(files["sft_eval"])
             if r["task"] in families and json.dumps(r["conversations"][:-1]) not in seen]
+
+
+def prompt_pool(run_dir: Path, families: list[str], out: Path, *, seed: int = 777, n: int = 60000) -> Path:
+    """A file of RL prompts (rl.prompts) drawn anew for `families` (seed 777), none of them a held-out prompt: not in
+    fresh_rows' set (seed 123) nor the run's sft_eval. Written as SFT-format rows with "task"."""
+    work = Path(tempfile.mkdtemp())
+    files = generate(work / "pool", seed=seed, n_pretrain=3, n_sft=n, n_dpo=1, n_eval=1)
+    held = {json.dumps(r["conversations"][:-1]) for r in fresh_rows(run_dir, ALL_FAMILIES, work)}
+    held |= {json.dumps(r["conversations"][:-1]) for r in read_task_rows(split_path(Path(run_dir) / "data", "sft_eval"))}
+    rows = [r for r in read_task_rows(files["sft"]) if r["task"] in families and json.dumps(r["conversations"][:-1]) not in held]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return out

@@ -241,7 +241,7 @@ def test_rollout_batches_label_the_answers_and_normalise_each_group(run_dir):
     assert torch.equal(again["input_ids"], batch["input_ids"])
     from glm_lora.engine.evaluate import _prompt_ids          # one apply_chat_template per prompt: the same ids
     assert [r["ids"] for r in source.rows] == [_prompt_ids(tok, r["prompt"]) for r in source.rows]
-    with pytest.raises(UserError, match=r"rl.families \['nope'\] match no SFT row"):
+    with pytest.raises(UserError, match=r"rl.families \['nope'\] match no row of .*sft.jsonl"):
         Rollouts(_cfg(run_dir, **{"rl.families": ["nope"]}), tok, run_dir / "data", model,
                  Runtime(torch.device("cpu"), torch.float32))
 
@@ -317,7 +317,30 @@ def test_prompts_too_long_even_cut_are_counted_in_a_warning(run_dir, caplog):
     with caplog.at_level("WARNING", logger="glm_lora.rl"):
         kept = Rollouts(_cfg(run_dir, **{"rl.seq_len": room + 6}), tok, run_dir / "data", model, rt).rows
     assert 0 < len(kept) < len(every) and max(len(r["ids"]) for r in kept) <= room
-    assert f"{len(every) - len(kept)} of {len(every)} SFT prompts are longer than" in caplog.text
+    assert f"{len(every) - len(kept)} of {len(every)} prompts are longer than" in caplog.text
+
+
+def test_a_users_prompt_file_replaces_the_sft_split_and_is_checked_before_training(run_dir, tmp_path):
+    from glm_lora.engine.preflight import preflight
+    tok = load_tokenizer(run_dir / "tokenizer")
+    rows = [{"conversations": [{"role": "user", "content": f"What is {a} + 1?"},
+                               {"role": "assistant", "content": str(a + 1)}], "task": "succ"} for a in range(5)]
+    rows.append({"instruction": "Copy: ab", "output": "ab"})                    # Alpaca form, no task: family "all"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(run_dir, **{"rl.prompts": str(prompts), "rl.enabled": True})
+    preflight(cfg)
+    got = Rollouts(cfg, tok, run_dir / "data", _decoder(len(tok), max_seq_len=128),
+                   Runtime(torch.device("cpu"), torch.float32)).rows
+    assert [(r["task"], r["reference"]) for r in got] == [("succ", str(a + 1)) for a in range(5)] + [("all", "ab")]
+    with pytest.raises(UserError, match=r"rl.families \['add_en'\] match no row of .*prompts.jsonl"):
+        Rollouts(_cfg(run_dir, **{"rl.prompts": str(prompts), "rl.families": ["add_en"]}), tok, run_dir / "data",
+                 _decoder(len(tok), max_seq_len=128), Runtime(torch.device("cpu"), torch.float32))
+    with pytest.raises(UserError, match="rl.prompts: .*missing.jsonl is not a file"):
+        preflight(_cfg(run_dir, **{"rl.prompts": str(tmp_path / "missing.jsonl"), "rl.enabled": True}))
+    prompts.write_text(prompts.read_text() + '{"conversations": [{"role": "user"}]}\n')
+    with pytest.raises(UserError, match=r"prompts.jsonl:7"):
+        preflight(cfg)
 
 
 def test_the_stage_trains_logs_rewards_and_keeps_samples(run_dir, tmp_path):

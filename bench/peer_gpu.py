@@ -6,6 +6,8 @@ bf16 autocast, fused AdamW):
                           frozen base as a LoRA stage holds it (bf16 GEMM weights on CUDA, engine/adapter_stage.py)
        ours_sdpa          the same with the dense document mask + SDPA
        ours_*_fp32base    the same with the frozen base in fp32 (cast by autocast at every use: before 2026-12-03)
+       ours_*_nogroup     the same with q/k/v and gate/up each its own LoRA linear (before 2026-12-04), not
+                          one stacked op per input (kernels.lora_linear_group)
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -30,6 +32,7 @@ With --attention-micro, attention alone (per layer fwd + bwd, and the mask build
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -55,10 +58,10 @@ from glm_lora.model import inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
-SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "hf_liger_packed",
-       "hf_liger_packed_bf16base", "hf_peft_padded")
+SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
+       "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base",
-       "hf_liger_packed_bf16base", "ours_flex_simpo", "ours_flex_orpo")
+       "ours_flex_nogroup", "ours_sdpa_nogroup", "hf_liger_packed_bf16base", "ours_flex_simpo", "ours_flex_orpo")
 T0 = time.perf_counter()
 
 
@@ -77,6 +80,18 @@ def ours(cfg, device, name: str = "ours"):
             device, amp.fast_dtype):
         cast_frozen_gemm_weights(model, amp.fast_dtype)
     return model
+
+
+@contextlib.contextmanager
+def our_kernels(name: str):
+    """kernels "auto" with the provider's attention; `*_nogroup`: sibling projections each on its own."""
+    before = kernels.GROUP_LORA_AUTO_CUDA
+    kernels.GROUP_LORA_AUTO_CUDA = not name.endswith("_nogroup")
+    try:
+        with kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
+            yield
+    finally:
+        kernels.GROUP_LORA_AUTO_CUDA = before
 
 
 def flops_per_step(cfg, batches: list[dict], dpo: bool) -> float:
@@ -173,7 +188,7 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
     model = ours(cfg, device, name)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
     step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
-    with kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
+    with our_kernels(name):
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=False) / 1e12
         res["model_tflop_per_s"] = res["model_tflops_per_step"] / (res["step_ms_mean"] / 1000)
@@ -233,7 +248,7 @@ def dpo(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
     kind = name.rsplit("_", 1)[1] if name.endswith(("_simpo", "_orpo")) else "dpo"   # reference-free: one forward
     loss = PreferenceLoss(beta=BETA, nll_weight=0.0, kind=kind)
     step = train_step(lambda b: loss(model, b)[0], opt, device)
-    with kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
+    with our_kernels(name):
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
         res["pairs_per_step"] = pairs
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=True) / 1e12

@@ -46,7 +46,7 @@ from typing import Iterator
 
 import torch
 
-from glm_lora.kernels import moe, qlora, reference
+from glm_lora.kernels import lora_group, moe, qlora, reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
@@ -113,6 +113,20 @@ def swiglu(gate, up):
 def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
     impl = _impl("lora_linear", x, fused_pays=not (dropout > 0 and training))
     return impl(x, weight, lora_a, lora_b, scale, dropout, training)
+
+
+def lora_linear_group(x, weights, lora_as, lora_bs, scale):
+    """Sibling LoRA linears of one input (no dropout): stacked GEMMs (kernels/lora_group.py) on "triton" and on
+    CUDA under "auto", the siblings one by one (the reference) otherwise."""
+    if _BACKEND == "triton" or (_BACKEND == "auto" and x.is_cuda and GROUP_LORA_AUTO_CUDA) or \
+            (_BACKEND == "auto" and not x.is_cuda and GROUP_LORA_AUTO_CPU):
+        return lora_group.lora_linear_group(x, weights, lora_as, lora_bs, scale)
+    return reference.lora_linear_group(x, weights, lora_as, lora_bs, scale)
+
+
+# "auto": measured where each pays (bench/RESULTS.md, "Sibling projections as one op").
+GROUP_LORA_AUTO_CUDA = True
+GROUP_LORA_AUTO_CPU = False
 
 
 def dequantize_nf4(packed, absmax_codes, nested_absmax, offset, code, nested_code, dtype):

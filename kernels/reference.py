@@ -99,6 +99,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     return F.linear(x, weight) + scale * F.linear(F.linear(lora_in, lora_a), lora_b)
 
 
+def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
+                      lora_bs: list[torch.Tensor], scale: float) -> tuple[torch.Tensor, ...]:
+    """Sibling LoRA linears over one input (q/k/v, gate/up): each `lora_linear(x, W_i, A_i, B_i, scale)`."""
+    return tuple(lora_linear(x, w, a, b, scale) for w, a, b in zip(weights, lora_as, lora_bs))
+
+
 def scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha · m1 m2 in one GEMM (alpha applied in the epilogue, one rounding): the fused LoRA paths' building block."""
     out = torch.empty(m1.shape[0], m2.shape[1], dtype=m1.dtype, device=m1.device)

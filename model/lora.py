@@ -88,6 +88,19 @@ class LoRALinear(nn.Module):
                                         self.scale, self.dropout, self.training)
         return y if self.bias is None else y + self.bias
 
+    @staticmethod
+    def project_group(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...] | None:
+        """Siblings over one input as one stacked op (kernels.lora_linear_group), or None where they can't share
+        it: another module type, an adapter switched off, a 4-bit base, dropout while training, or scales that
+        differ."""
+        first = mods[0]
+        if not all(type(m) is LoRALinear and m.enabled and m.nf4 is None and m.scale == first.scale
+                   and not (m.training and m.dropout > 0) for m in mods):
+            return None
+        ys = kernels.lora_linear_group(x, [m.weight for m in mods], [m.lora_A.weight for m in mods],
+                                       [m.lora_B.weight for m in mods], first.scale)
+        return tuple(y if m.bias is None else y + m.bias for y, m in zip(ys, mods))
+
     def merged_weight(self) -> torch.Tensor:
         """W + (α/r)·B A in W's dtype; with nf4, W is the dequantised base (what the adapter was trained on)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()

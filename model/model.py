@@ -172,6 +172,14 @@ class KVCache:
         return (k, v) if self.prefill else (self.k[layer], self.v[layer])
 
 
+def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """The projections of one input (q/k/v, gate/up): one stacked op where the modules can share one
+    (`project_group` of their class, e.g. LoRA's), each module on its own otherwise."""
+    group = getattr(type(linears[0]), "project_group", None)
+    out = group(x, linears) if group is not None else None
+    return out if out is not None else tuple(m(x) for m in linears)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
@@ -189,9 +197,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)                # (B, H, T, D)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)                   # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin, interleaved=self.interleaved)
@@ -216,7 +225,7 @@ class MLP(nn.Module):
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                       # 2 × (B, T, I)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(kernels.swiglu(gate, up))
 
 

@@ -7,7 +7,7 @@ bf16 autocast, fused AdamW):
        ours_sdpa          the same with the dense document mask + SDPA
        ours_*_fp32base    the same with the frozen base in fp32 (cast by autocast at every use: before 2026-12-03)
        ours_*_nogroup     the same with q/k/v and gate/up each its own LoRA linear (before 2026-12-04), not
-                          one stacked op per input (kernels.lora_linear_group)
+                          one stacked op per input (kernels.lora_linear_group; DPO's reference pass: stacked_linear)
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -48,7 +48,7 @@ from bench.common import write_result
 from bench.e2e_dpo_gpu import BETA, naive_dpo_loss
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, autocast, decoder_config, free,
                              hf_model, hf_peft, our_model, parser, precision_note, result_name, scaled_lengths,
-                             setup, timed_steps, train_step)
+                             setup, siblings_stacked, timed_steps, train_step)
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
 from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
@@ -85,13 +85,9 @@ def ours(cfg, device, name: str = "ours"):
 @contextlib.contextmanager
 def our_kernels(name: str):
     """kernels "auto" with the provider's attention; `*_nogroup`: sibling projections each on its own."""
-    before = kernels.GROUP_LORA_AUTO_CUDA
-    kernels.GROUP_LORA_AUTO_CUDA = not name.endswith("_nogroup")
-    try:
-        with kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
-            yield
-    finally:
-        kernels.GROUP_LORA_AUTO_CUDA = before
+    with siblings_stacked(not name.endswith("_nogroup")), \
+            kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
+        yield
 
 
 def flops_per_step(cfg, batches: list[dict], dpo: bool) -> float:

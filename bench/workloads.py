@@ -135,6 +135,18 @@ def hf_peft(cfg: DecoderConfig, device: torch.device, checkpointing: bool = Fals
     return get_peft_model(base if base is not None else hf_model(cfg, device, checkpointing), lora)
 
 
+@contextlib.contextmanager
+def siblings_stacked(on: bool):
+    """kernels' "auto" stacking of sibling projections (q/k/v, gate/up) on CUDA, on or off in the block."""
+    from glm_lora import kernels
+    before = kernels.STACK_SIBLINGS["cuda"]
+    kernels.STACK_SIBLINGS["cuda"] = on
+    try:
+        yield
+    finally:
+        kernels.STACK_SIBLINGS["cuda"] = before
+
+
 def autocast(device: torch.device):
     if device.type != "cuda" or _amp["dtype"] is None:
         return contextlib.nullcontext()

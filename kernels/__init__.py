@@ -115,18 +115,27 @@ def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
     return impl(x, weight, lora_a, lora_b, scale, dropout, training)
 
 
+# "auto": stack sibling projections (q/k/v, gate/up) where it measured faster (bench/RESULTS.md, "Sibling
+# projections as one op"); "triton" always, "reference" never.
+STACK_SIBLINGS = {"cuda": True, "cpu": False}
+
+
+def stacks_siblings(x: torch.Tensor) -> bool:
+    return _BACKEND == "triton" or (_BACKEND == "auto" and STACK_SIBLINGS.get(x.device.type, False))
+
+
 def lora_linear_group(x, weights, lora_as, lora_bs, scale):
-    """Sibling LoRA linears of one input (no dropout): stacked GEMMs (kernels/lora_group.py) on "triton" and on
-    CUDA under "auto", the siblings one by one (the reference) otherwise."""
-    if _BACKEND == "triton" or (_BACKEND == "auto" and x.is_cuda and GROUP_LORA_AUTO_CUDA) or \
-            (_BACKEND == "auto" and not x.is_cuda and GROUP_LORA_AUTO_CPU):
+    """Sibling LoRA linears of one input (no dropout): stacked GEMMs (kernels/lora_group.py) where
+    `stacks_siblings`, the siblings one by one (the reference) otherwise."""
+    if stacks_siblings(x):
         return lora_group.lora_linear_group(x, weights, lora_as, lora_bs, scale)
     return reference.lora_linear_group(x, weights, lora_as, lora_bs, scale)
 
 
-# "auto": measured where each pays (bench/RESULTS.md, "Sibling projections as one op").
-GROUP_LORA_AUTO_CUDA = True
-GROUP_LORA_AUTO_CPU = False
+def stacked_linear(x, weights, biases):
+    """Sibling plain linears of one input (q/k/v, gate/up): one GEMM over the stacked weights, split."""
+    bias = None if biases[0] is None else torch.cat(list(biases))
+    return torch.nn.functional.linear(x, torch.cat(list(weights)), bias).split([w.shape[0] for w in weights], dim=-1)
 
 
 def dequantize_nf4(packed, absmax_codes, nested_absmax, offset, code, nested_code, dtype):

@@ -90,12 +90,15 @@ class LoRALinear(nn.Module):
 
     @staticmethod
     def project_group(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...] | None:
-        """Siblings over one input as one stacked op (kernels.lora_linear_group), or None where they can't share
-        it: another module type, an adapter switched off, a 4-bit base, dropout while training, or scales that
-        differ."""
+        """Siblings over one input as one stacked op (kernels.lora_linear_group; adapters switched off, as in
+        DPO's reference pass: the stacked base alone), or None where they can't share one: another module type,
+        a 4-bit base, dropout while training, scales that differ, some adapters on and some off."""
         first = mods[0]
-        if not all(type(m) is LoRALinear and m.enabled and m.nf4 is None and m.scale == first.scale
-                   and not (m.training and m.dropout > 0) for m in mods):
+        if not all(type(m) is LoRALinear and m.nf4 is None and m.enabled == first.enabled for m in mods):
+            return None
+        if not first.enabled:
+            return kernels.stacked_linear(x, [m.weight for m in mods], [m.bias for m in mods])
+        if not all(m.scale == first.scale and not (m.training and m.dropout > 0) for m in mods):
             return None
         ys = kernels.lora_linear_group(x, [m.weight for m in mods], [m.lora_A.weight for m in mods],
                                        [m.lora_B.weight for m in mods], first.scale)

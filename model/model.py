@@ -173,10 +173,15 @@ class KVCache:
 
 
 def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """The projections of one input (q/k/v, gate/up): one stacked op where the modules can share one
-    (`project_group` of their class, e.g. LoRA's), each module on its own otherwise."""
-    group = getattr(type(linears[0]), "project_group", None)
-    out = group(x, linears) if group is not None else None
+    """The projections of one input (q/k/v, gate/up): one stacked op where the kernels stack siblings and the
+    modules can share one (plain linears, or their class's `project_group`, e.g. LoRA's); else one by one."""
+    out = None
+    if kernels.stacks_siblings(x):
+        group = getattr(type(linears[0]), "project_group", None)
+        if group is not None:
+            out = group(x, linears)
+        elif all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1:
+            out = kernels.stacked_linear(x, [m.weight for m in linears], [m.bias for m in linears])
     return out if out is not None else tuple(m(x) for m in linears)
 
 

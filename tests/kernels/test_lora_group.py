@@ -89,8 +89,12 @@ def tiny_model(layout: str, bias: bool = False) -> Decoder:
 
 
 @pytest.mark.parametrize("layout", ["llama", "qwen2", "qwen3"])
-def test_model_with_stacked_siblings_matches_the_reference_backend(layout):
+def test_model_with_stacked_siblings_matches_the_reference_backend(layout, monkeypatch):
     """The decoder's loss and every adapter gradient: stacked q/k/v and gate/up vs each projection alone."""
+    from glm_lora.kernels import lora_group
+    calls = []
+    group = lora_group.lora_linear_group
+    monkeypatch.setattr(lora_group, "lora_linear_group", lambda *a: calls.append(1) or group(*a))
     model = tiny_model(layout)
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
@@ -102,6 +106,7 @@ def test_model_with_stacked_siblings_matches_the_reference_backend(layout):
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
     (l1, g1), (l2, g2) = results
+    assert len(calls) == 2 * 2             # q/k/v and gate/up of both layers, on the "triton" pass only
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
     assert g1.keys() == g2.keys() and any("q_proj.lora_A" in n for n in g1)
     for n in g1:
@@ -109,16 +114,52 @@ def test_model_with_stacked_siblings_matches_the_reference_backend(layout):
 
 
 def test_siblings_that_cannot_share_the_op_run_one_by_one():
-    """An adapter switched off (DPO's reference pass) or dropout while training: each projection alone."""
+    """Dropout while training, or some adapters on and some off: each projection alone."""
     from glm_lora.model.lora import LoRALinear, lora_disabled
     model = tiny_model("llama")
     attn = model.model.layers[0].self_attn
     mods = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = torch.randn(2, 5, 48)
     assert LoRALinear.project_group(x, mods) is not None
-    with lora_disabled(model):
-        assert LoRALinear.project_group(x, mods) is None
+    with lora_disabled(model):                                  # DPO's reference pass: the stacked base alone
+        base = LoRALinear.project_group(x, mods)
+        for y, m in zip(base, mods):
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, m.weight, m.bias))
+    attn.k_proj.enabled = False
+    assert LoRALinear.project_group(x, mods) is None
+    attn.k_proj.enabled = True
     attn.k_proj.dropout = 0.1
     assert LoRALinear.project_group(x, mods) is None           # training (Decoder's default mode)
     model.eval()
     assert LoRALinear.project_group(x, mods) is not None
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen2"])
+@pytest.mark.parametrize("adapter", ["none", "disabled"])
+def test_plain_siblings_stacked_match_one_by_one(layout, adapter, monkeypatch):
+    """Pretraining (plain linears, every weight trained) and the adapter-off pass: stacked vs one by one."""
+    from glm_lora.model.lora import lora_disabled
+    calls = []
+    stacked = kernels.stacked_linear
+    monkeypatch.setattr(kernels, "stacked_linear", lambda *a: calls.append(1) or stacked(*a))
+    model = tiny_model(layout) if adapter == "disabled" else Decoder(
+        DecoderConfig(vocab_size=50, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=72, max_seq_len=32, arch=layout))
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for backend in ("triton", "reference"):
+        model.zero_grad(set_to_none=True)
+        with kernels.using(backend):
+            if adapter == "disabled":
+                with lora_disabled(model), torch.no_grad():
+                    results.append((model(ids), {}))
+                continue
+            loss = model(ids).float().logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l1, g1), (l2, g2) = results
+    assert len(calls) == 2 * 2             # q/k/v and gate/up of both layers, on the "triton" pass only
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+    assert adapter == "disabled" or "model.layers.0.self_attn.q_proj.weight" in g1
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], atol=1e-5, rtol=1e-4, msg=n)

@@ -51,6 +51,7 @@ from glm_lora.kernels import lora_group, moe, qlora, reference
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
 _MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
+            "swiglu_halves": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4",
             "grouped_mm": "triton_grouped_mm", "grouped_lora_mm": "triton_grouped_mm"}
@@ -110,6 +111,11 @@ def swiglu(gate, up):
     return _impl("swiglu", gate)(gate, up)
 
 
+def swiglu_halves(gate_up):
+    """swiglu of [gate | up] stacked on the last dim, read in place (no copies of the halves)."""
+    return _impl("swiglu_halves", gate_up)(gate_up)
+
+
 def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):
     impl = _impl("lora_linear", x, fused_pays=not (dropout > 0 and training))
     return impl(x, weight, lora_a, lora_b, scale, dropout, training)
@@ -125,17 +131,18 @@ def stacks_siblings(x: torch.Tensor) -> bool:
 
 
 def lora_linear_group(x, weights, lora_as, lora_bs, scale):
-    """Sibling LoRA linears of one input (no dropout): stacked GEMMs (kernels/lora_group.py) where
-    `stacks_siblings`, the siblings one by one (the reference) otherwise."""
+    """Sibling LoRA linears of one input (no dropout), their outputs side by side on the last dim: stacked GEMMs
+    (kernels/lora_group.py) where `stacks_siblings`, the siblings one by one (the reference) otherwise."""
     if stacks_siblings(x):
         return lora_group.lora_linear_group(x, weights, lora_as, lora_bs, scale)
     return reference.lora_linear_group(x, weights, lora_as, lora_bs, scale)
 
 
 def stacked_linear(x, weights, biases):
-    """Sibling plain linears of one input (q/k/v, gate/up): one GEMM over the stacked weights, split."""
+    """Sibling plain linears of one input (q/k/v, gate/up): one GEMM over the stacked weights, their outputs side
+    by side on the last dim."""
     bias = None if biases[0] is None else torch.cat(list(biases))
-    return torch.nn.functional.linear(x, torch.cat(list(weights)), bias).split([w.shape[0] for w in weights], dim=-1)
+    return torch.nn.functional.linear(x, torch.cat(list(weights)), bias)
 
 
 def dequantize_nf4(packed, absmax_codes, nested_absmax, offset, code, nested_code, dtype):

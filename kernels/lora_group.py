@@ -58,8 +58,9 @@ class LoRAGroupFunction(torch.autograd.Function):
 
 
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
-                      lora_bs: list[torch.Tensor], scale: float) -> tuple[torch.Tensor, ...]:
-    """(x W_iᵀ + scale · x A_iᵀ B_iᵀ for each sibling i), W_i (out_i, in) frozen, A_i (r_i, in), B_i (out_i, r_i).
+                      lora_bs: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """[x W_iᵀ + scale · x A_iᵀ B_iᵀ for each sibling i] side by side on the last dim (..., Σ out_i), with W_i
+    (out_i, in) frozen, A_i (r_i, in), B_i (out_i, r_i).
 
     Under autocast the inputs are cast to the autocast dtype first, like F.linear's."""
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
@@ -71,5 +72,4 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: lis
     lora_a = torch.cat([a.to(dtype) for a in lora_as])
     ranks = tuple(a.shape[0] for a in lora_as)
     with torch.autocast(device_type, enabled=False):
-        y = LoRAGroupFunction.apply(x.to(dtype), weight, lora_a, float(scale), ranks, *(b.to(dtype) for b in lora_bs))
-    return y.split([w.shape[0] for w in weights], dim=-1)
+        return LoRAGroupFunction.apply(x.to(dtype), weight, lora_a, float(scale), ranks, *(b.to(dtype) for b in lora_bs))

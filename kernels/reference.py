@@ -92,6 +92,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """swiglu of gate_up = [gate | up] on the last dim (one GEMM's stacked output)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu(gate, up)
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 scale: float, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
     """y = x Wᵀ + scale · dropout(x) Aᵀ Bᵀ, with W (out, in), A (r, in), B (out, r)."""
@@ -100,9 +106,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
 
 
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
-                      lora_bs: list[torch.Tensor], scale: float) -> tuple[torch.Tensor, ...]:
-    """Sibling LoRA linears over one input (q/k/v, gate/up): each `lora_linear(x, W_i, A_i, B_i, scale)`."""
-    return tuple(lora_linear(x, w, a, b, scale) for w, a, b in zip(weights, lora_as, lora_bs))
+                      lora_bs: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Sibling LoRA linears over one input (q/k/v, gate/up): each `lora_linear(x, W_i, A_i, B_i, scale)`, side by
+    side on the last dim."""
+    return torch.cat([lora_linear(x, w, a, b, scale) for w, a, b in zip(weights, lora_as, lora_bs)], dim=-1)
 
 
 def scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -89,10 +89,11 @@ class LoRALinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @staticmethod
-    def project_group(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...] | None:
-        """Siblings over one input as one stacked op (kernels.lora_linear_group; adapters switched off, as in
-        DPO's reference pass: the stacked base alone), or None where they can't share one: another module type,
-        a 4-bit base, dropout while training, scales that differ, some adapters on and some off."""
+    def project_group(x: torch.Tensor, mods) -> torch.Tensor | None:
+        """Siblings over one input as one stacked op, their outputs side by side on the last dim
+        (kernels.lora_linear_group; adapters switched off, as in DPO's reference pass: the stacked base alone), or
+        None where they can't share one: another module type, a 4-bit base, dropout while training, scales that
+        differ, some adapters on and some off."""
         first = mods[0]
         if not all(type(m) is LoRALinear and m.nf4 is None and m.enabled == first.enabled for m in mods):
             return None
@@ -100,9 +101,9 @@ class LoRALinear(nn.Module):
             return kernels.stacked_linear(x, [m.weight for m in mods], [m.bias for m in mods])
         if not all(m.scale == first.scale and not (m.training and m.dropout > 0) for m in mods):
             return None
-        ys = kernels.lora_linear_group(x, [m.weight for m in mods], [m.lora_A.weight for m in mods],
-                                       [m.lora_B.weight for m in mods], first.scale)
-        return tuple(y if m.bias is None else y + m.bias for y, m in zip(ys, mods))
+        y = kernels.lora_linear_group(x, [m.weight for m in mods], [m.lora_A.weight for m in mods],
+                                      [m.lora_B.weight for m in mods], first.scale)
+        return y if first.bias is None else y + torch.cat([m.bias for m in mods])
 
     def merged_weight(self) -> torch.Tensor:
         """W + (α/r)·B A in W's dtype; with nf4, W is the dequantised base (what the adapter was trained on)."""

@@ -172,17 +172,26 @@ class KVCache:
         return (k, v) if self.prefill else (self.k[layer], self.v[layer])
 
 
+def stacked(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | None:
+    """Sibling projections of one input (q/k/v, gate/up) as one op, their outputs side by side on the last dim,
+    where the kernels stack siblings and the modules can share one (plain linears, or their class's
+    `project_group`, e.g. LoRA's); None otherwise."""
+    if not kernels.stacks_siblings(x):
+        return None
+    group = getattr(type(linears[0]), "project_group", None)
+    if group is not None:
+        return group(x, linears)
+    if all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1:
+        return kernels.stacked_linear(x, [m.weight for m in linears], [m.bias for m in linears])
+    return None
+
+
 def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """The projections of one input (q/k/v, gate/up): one stacked op where the kernels stack siblings and the
-    modules can share one (plain linears, or their class's `project_group`, e.g. LoRA's); else one by one."""
-    out = None
-    if kernels.stacks_siblings(x):
-        group = getattr(type(linears[0]), "project_group", None)
-        if group is not None:
-            out = group(x, linears)
-        elif all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1:
-            out = kernels.stacked_linear(x, [m.weight for m in linears], [m.bias for m in linears])
-    return out if out is not None else tuple(m(x) for m in linears)
+    """The projections of one input, each output on its own: views of one stacked op's output, or one by one."""
+    out = stacked(x, *linears)
+    if out is None:
+        return tuple(m(x) for m in linears)
+    return out.split([m.out_features for m in linears], dim=-1)
 
 
 class Attention(nn.Module):
@@ -228,10 +237,12 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                       # 2 × (B, T, I)
+            gate_up = self.gate_up_proj(x)                                          # (B, T, 2I): [gate | up]
         else:
-            gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(kernels.swiglu(gate, up))
+            gate_up = stacked(x, self.gate_proj, self.up_proj)
+            if gate_up is None:
+                return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(kernels.swiglu_halves(gate_up))
 
 
 class Router(nn.Module):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from glm_lora.kernels import reference as ref
-from glm_lora.kernels.triton_swiglu import swiglu
+from glm_lora.kernels.triton_swiglu import swiglu, swiglu_halves
 from tests.kernel_check import check, leaf
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
@@ -42,3 +42,19 @@ def test_swiglu_rejects_mismatched_inputs():
         swiglu(torch.ones(2, 8), torch.ones(2, 8, dtype=torch.float16))
     with pytest.raises(ValueError):
         swiglu(torch.ones(2, 8), torch.ones(8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7, 2 * 37), (1, 2 * 1250), (4, 2 * 64)])
+def test_swiglu_halves_matches_reference(shape, dtype):
+    """[gate | up] from one GEMM read in place: forward and the one (…, 2I) gradient."""
+    gate_up = leaf(*shape, dtype=dtype, seed=6, scale=4.0)
+    check(swiglu_halves, ref.swiglu_halves, (gate_up,), TOL[dtype])
+
+
+def test_swiglu_halves_saves_only_its_input_and_rejects_an_odd_width():
+    gate_up = leaf(4, 18, dtype=torch.float32, seed=7)
+    saved = swiglu_halves(gate_up).grad_fn.saved_tensors
+    assert len(saved) == 1 and torch.equal(saved[0], gate_up)
+    with pytest.raises(ValueError, match="even width"):
+        swiglu_halves(leaf(4, 9, dtype=torch.float32, seed=8))

@@ -72,7 +72,8 @@ def test_triton_backend_really_dispatches_to_triton(monkeypatch):
     monkeypatch.setattr(kernels, "_triton_op", lambda name: calls.append(name) or real(name))
     m = model()
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "down_proj"], r=4, alpha=8))
-    for backend, expected in (("triton", {"rms_norm", "apply_rope", "swiglu", "lora_linear",
+    # gate/up (plain linears here) run as one stacked GEMM on "triton", so SwiGLU reads its [gate | up] in place
+    for backend, expected in (("triton", {"rms_norm", "apply_rope", "swiglu_halves", "lora_linear",
                                           "linear_cross_entropy", "linear_token_logprobs"}),
                               ("auto", set())):      # CPU tensors: "auto" keeps the reference
         calls.clear()

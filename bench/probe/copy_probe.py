@@ -1,0 +1,43 @@
+"""Which ops launch the copy kernels in our 1B LoRA SFT step (GPU): profiler grouped by Python stack."""
+import torch
+from torch.profiler import profile, ProfilerActivity
+from glm_lora import kernels
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model import inject_lora
+from glm_lora.model.lora import cast_frozen_gemm_weights
+from glm_lora.engine.losses import causal_lm_loss
+from bench.workloads import decoder_config, our_model, TARGETS
+dev = torch.device("cuda")
+cfg = decoder_config("1b", 32000, 2048)
+model = our_model(cfg, dev); inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
+cast_frozen_gemm_weights(model, torch.bfloat16)
+B, T = 8, 2048
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(3, 32000, (B, T), generator=g).to(dev)
+doc = torch.cumsum((torch.rand(B, T, generator=g) < 1 / 200).long(), 1).to(dev) + 1
+pos = torch.zeros(B, T, dtype=torch.long)
+for b in range(B):
+    d = doc[b].cpu(); start = 0
+    for t in range(T):
+        if t and d[t] != d[t - 1]: start = t
+        pos[b, t] = t - start
+labels = ids.clone(); labels[:, :int(T * 0.7)] = -100
+batch = {"input_ids": ids, "labels": labels, "doc_ids": doc, "position_ids": pos.to(dev), "packed": True}
+params = [p for p in model.parameters() if p.requires_grad]
+def step():
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = causal_lm_loss(model, batch)
+    loss.backward()
+    for p in params: p.grad = None
+with kernels.using("auto", "flex"):
+    for _ in range(3): step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as p:
+        step(); torch.cuda.synchronize()
+ev = p.key_averages(group_by_stack_n=6)
+rows = [e for e in ev if e.key in ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::add", "aten::add_")]
+rows.sort(key=lambda e: -e.device_time_total)
+for e in rows[:25]:
+    st = [s for s in e.stack if "glm_lora" in s or "/work/" in s or "torch/" in s][:6]
+    print(f"{e.device_time_total/1e3:8.2f} ms  x{e.count:4d}  {e.key}  {e.input_shapes[:2] if e.input_shapes else ''}")
+    for s in st: print("        ", s)

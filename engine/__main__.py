@@ -24,6 +24,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
             d.barrier()         # the other ranks wait for rank 0's held-out evaluation and files
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        if d is not None:
+            # Under torchrun the rank ends here, without the interpreter's teardown: tearing down the process group
+            # while the other ranks still wait in a collective can abort this process (SIGABRT, seen once in CI),
+            # and torchrun would then report the abort instead of exit status 2 and this one-line error.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(2)
         return 2
     if d is not None:
         dist.shutdown()

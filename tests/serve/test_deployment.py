@@ -353,12 +353,16 @@ def _stage_cmd(d):
     return _cli(d, "stage", "serve")
 
 
-def _kill_when(d, proc: subprocess.Popen, ready) -> None:
+def _kill_when(d, proc: subprocess.Popen, ready, before_kill=None) -> None:
+    """SIGKILL the stage once `ready()`; `before_kill()` checks the state it is held in first (after the kill the
+    watchdog starts undoing it at once, so a check then races the watchdog)."""
     t0 = time.monotonic()
     while not ready():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() - t0 < 300
         time.sleep(0.05)
+    if before_kill is not None:
+        before_kill()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -394,9 +398,10 @@ def test_killing_the_stage_after_nginx_moved_puts_the_old_model_back(d):
     with Poller(d["url"], d["key"]) as poll:
         proc = subprocess.Popen(_stage_cmd(d), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env)
-        _kill_when(d, proc, marker.exists)
-        moved = json.loads(d["dep"].record.read_text())
-        assert moved["candidate"] and proxy.conf_backend(d["dep"].nginx) == moved["candidate"]["port"]
+        def moved_to_the_candidate():           # the stage is held after the switch: nothing moves until the kill
+            moved = json.loads(d["dep"].record.read_text())
+            assert moved["candidate"] and proxy.conf_backend(d["dep"].nginx) == moved["candidate"]["port"]
+        _kill_when(d, proc, marker.exists, before_kill=moved_to_the_candidate)
         rec = _settled(d)
     assert proxy.conf_backend(d["dep"].nginx) == rec["active"]["port"]
     assert poll.failed == [] and poll.ok > 0

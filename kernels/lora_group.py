@@ -10,14 +10,15 @@ W must not require grad; every sibling shares one scale (one LoRA config) and ha
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
 def _offsets(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    starts = [0]
-    for s in sizes:
-        starts.append(starts[-1] + s)
-    return list(zip(starts[:-1], starts[1:]))
+    """(start, end) of each block laid side by side."""
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0] + ends[:-1], ends))
 
 
 class LoRAGroupFunction(torch.autograd.Function):

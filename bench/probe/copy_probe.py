@@ -1,4 +1,7 @@
-"""Which ops launch the copy kernels in our 1B LoRA SFT step (GPU): profiler grouped by Python stack."""
+"""Which copy / cast / cat / add ops our 1B LoRA SFT step launches, and their GPU time (torch.profiler by op).
+
+    PYTHONPATH=. python bench/probe/copy_probe.py        (CUDA; used for bench/RESULTS.md "Sibling projections")
+"""
 import torch
 from torch.profiler import profile, ProfilerActivity
 from glm_lora import kernels
@@ -32,12 +35,10 @@ def step():
 with kernels.using("auto", "flex"):
     for _ in range(3): step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as p:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
         step(); torch.cuda.synchronize()
-ev = p.key_averages(group_by_stack_n=6)
+ev = p.key_averages()
 rows = [e for e in ev if e.key in ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::add", "aten::add_")]
 rows.sort(key=lambda e: -e.device_time_total)
 for e in rows[:25]:
-    st = [s for s in e.stack if "glm_lora" in s or "/work/" in s or "torch/" in s][:6]
-    print(f"{e.device_time_total/1e3:8.2f} ms  x{e.count:4d}  {e.key}  {e.input_shapes[:2] if e.input_shapes else ''}")
-    for s in st: print("        ", s)
+    print(f"{e.device_time_total/1e3:8.2f} ms  x{e.count:4d}  {e.key}")

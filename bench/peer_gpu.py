@@ -8,6 +8,8 @@ bf16 autocast, fused AdamW):
        ours_*_fp32base    the same with the frozen base in fp32 (cast by autocast at every use: before 2026-12-03)
        ours_*_nogroup     the same with q/k/v and gate/up each its own LoRA linear (before 2026-12-04), not
                           one stacked op per input (kernels.lora_linear_group; DPO's reference pass: stacked_linear)
+       ours_*_unfusednorm the same with each residual add its own op and the norms written in fp32, cast by
+                          autocast at each product (before 2026-12-04 pm; bench.workloads.norms_fused)
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -48,7 +50,7 @@ from bench.common import write_result
 from bench.e2e_dpo_gpu import BETA, naive_dpo_loss
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, autocast, decoder_config, free,
                              hf_model, hf_peft, our_model, parser, precision_note, result_name, scaled_lengths,
-                             setup, siblings_stacked, timed_steps, train_step)
+                             norms_fused, setup, siblings_stacked, timed_steps, train_step)
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
 from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
@@ -59,9 +61,9 @@ from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
-       "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
+       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base",
-       "ours_flex_nogroup", "ours_sdpa_nogroup", "hf_liger_packed_bf16base", "ours_flex_simpo", "ours_flex_orpo")
+       "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base", "ours_flex_simpo", "ours_flex_orpo")
 T0 = time.perf_counter()
 
 
@@ -84,8 +86,9 @@ def ours(cfg, device, name: str = "ours"):
 
 @contextlib.contextmanager
 def our_kernels(name: str):
-    """kernels "auto" with the provider's attention; `*_nogroup`: sibling projections each on its own."""
-    with siblings_stacked(not name.endswith("_nogroup")), \
+    """kernels "auto" with the provider's attention; `*_nogroup`: sibling projections each on its own;
+    `*_unfusednorm`: residual adds and norms as before bench.workloads.norms_fused."""
+    with siblings_stacked(not name.endswith("_nogroup")), norms_fused(not name.endswith("_unfusednorm")), \
             kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
         yield
 

@@ -147,6 +147,25 @@ def siblings_stacked(on: bool):
         kernels.STACK_SIBLINGS["cuda"] = before
 
 
+@contextlib.contextmanager
+def norms_fused(on: bool):
+    """The residual adds fused into the RMSNorms that read them, and the norms before matrix products written in
+    autocast's dtype (model.Block, kernels.add_rms_norm); off: each add its own op and the norms in fp32, cast by
+    autocast at each product (before 2026-12-04, afternoon)."""
+    from glm_lora import kernels
+    from glm_lora.model import model as m
+    fused, dtype = kernels.add_rms_norm, m._matmul_input_dtype
+    if not on:
+        def unfused(x, residual, weight, eps, out_dtype=None):
+            s = x + residual
+            return s, kernels.rms_norm(s, weight, eps, out_dtype)
+        kernels.add_rms_norm, m._matmul_input_dtype = unfused, lambda x: None
+    try:
+        yield
+    finally:
+        kernels.add_rms_norm, m._matmul_input_dtype = fused, dtype
+
+
 def autocast(device: torch.device):
     if device.type != "cuda" or _amp["dtype"] is None:
         return contextlib.nullcontext()

@@ -50,7 +50,7 @@ from glm_lora.kernels import lora_group, moe, qlora, reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
-_MODULES = {"rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
+_MODULES = {"rms_norm": "triton_rms_norm", "add_rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
             "swiglu_halves": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4",
@@ -94,8 +94,17 @@ def _impl(name: str, t: torch.Tensor, fused_pays: bool = True):
     return getattr(reference, name)
 
 
-def rms_norm(x, weight, eps):
-    return _impl("rms_norm", x, fused_pays=not (weight.requires_grad and x.shape[-1] < 1024))(x, weight, eps)
+def _norm_pays(x, weight) -> bool:
+    return not (weight.requires_grad and x.shape[-1] < 1024)
+
+
+def rms_norm(x, weight, eps, out_dtype=None):
+    return _impl("rms_norm", x, fused_pays=_norm_pays(x, weight))(x, weight, eps, out_dtype)
+
+
+def add_rms_norm(x, residual, weight, eps, out_dtype=None):
+    """(x + residual, rms_norm of it): the residual stream's add fused into the norm that reads the sum."""
+    return _impl("add_rms_norm", x, fused_pays=_norm_pays(x, weight))(x, residual, weight, eps, out_dtype)
 
 
 def apply_rope(q, k, cos, sin, interleaved=False):

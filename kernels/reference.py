@@ -5,11 +5,20 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 like transformers' LlamaRMSNorm, then cast back.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Normalise in fp32 like transformers' LlamaRMSNorm, then cast back. `out_dtype`: the result rounded to it
+    (what autocast would do to it before a matrix product); None keeps the promoted dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    y = weight * xf.to(x.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the RMSNorm that reads it: (x + residual, rms_norm(x + residual))."""
+    s = x + residual
+    return s, rms_norm(s, weight, eps, out_dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,

@@ -128,8 +128,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x, out_dtype: torch.dtype | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, out_dtype)
+
+    def add(self, x, residual, out_dtype: torch.dtype | None = None):
+        """(x + residual, the norm of it), the residual stream's add fused into the norm; residual None: (x, norm)."""
+        if residual is None:
+            return x, self(x, out_dtype)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
+
+
+def _matmul_input_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype to write a norm's output in when only matrix products read it: autocast's, which each product
+    would cast it to anyway (the same numbers, without an fp32 copy and a cast); None without autocast."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
 def _attention_dtype(t: torch.Tensor) -> torch.dtype:
@@ -318,15 +331,20 @@ class Block(nn.Module):
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, h, cos, sin, mask, cache: KVCache | None = None):
+        """x: the residual stream; h: the previous block's output, not yet added to it (None before the first).
+        Returns the same pair: each residual add runs inside the RMSNorm that reads the sum (kernels.add_rms_norm)."""
+        matmul_dtype = _matmul_input_dtype(x)
+        x, n = self.input_layernorm.add(x, h, matmul_dtype)
+        h = self.self_attn(n, cos, sin, mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
             h = self.post_self_attn_layernorm(h)
-        x = x + h
-        h = self.mlp(self.post_attention_layernorm(x))
+        # A MoE router scores in fp32 (as transformers'): its input stays unrounded
+        x, n = self.post_attention_layernorm.add(x, h, None if isinstance(self.mlp, MoE) else matmul_dtype)
+        h = self.mlp(n)
         if hasattr(self, "post_mlp_layernorm"):
             h = self.post_mlp_layernorm(h)
-        return x + h
+        return x, h
 
 
 class Backbone(nn.Module):
@@ -377,14 +395,14 @@ class Decoder(nn.Module):
         mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
         if cache is not None:
             mask = cache.start(position_ids)
-        x = self.model.embed_tokens(input_ids)                                    # (B, T, C)
+        x, h = self.model.embed_tokens(input_ids), None                           # (B, T, C); h: see Block
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             if checkpointing:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x, h = torch.utils.checkpoint.checkpoint(layer, x, h, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, cache)
-        return self.model.norm(x)
+                x, h = layer(x, h, cos, sin, mask, cache)
+        return self.model.norm.add(x, h)[1]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Which copy / cast / cat / add ops our 1B LoRA SFT step launches, and their GPU time (torch.profiler by op).
+"""Which copy / cast / cat / add ops our 1B LoRA SFT step launches, and their GPU time (torch.profiler by op),
+then the same ops by input shape and by the model line that launched them (which tensors are copied, and where).
 
     PYTHONPATH=. python bench/probe/copy_probe.py        (CUDA; used for bench/RESULTS.md "Sibling projections")
 """
+import sys
 import torch
 from torch.profiler import profile, ProfilerActivity
 from glm_lora import kernels
@@ -35,10 +37,19 @@ def step():
 with kernels.using("auto", "flex"):
     for _ in range(3): step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as p:
         step(); torch.cuda.synchronize()
-ev = p.key_averages()
-rows = [e for e in ev if e.key in ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::add", "aten::add_")]
-rows.sort(key=lambda e: -e.device_time_total)
-for e in rows[:25]:
-    print(f"{e.device_time_total/1e3:8.2f} ms  x{e.count:4d}  {e.key}")
+OPS = ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::add", "aten::add_")
+
+
+def top(events, n, label):
+    rows = sorted((e for e in events if e.key in OPS), key=lambda e: -e.device_time_total)
+    for e in rows[:n]:
+        print(f"{e.device_time_total/1e3:8.2f} ms  x{e.count:4d}  {e.key}  {label(e)}")
+
+
+print("by op"); top(p.key_averages(), 25, lambda e: "")
+print("\nby input shape"); top(p.key_averages(group_by_input_shape=True), 30, lambda e: e.input_shapes)
+ours = lambda e: " < ".join(f for f in e.stack if "glm_lora" in f or "/model/" in f or "/kernels/" in f)[:300]
+print("\nby our frames"); top(p.key_averages(group_by_stack_n=12), 30, ours)
+print("\nall kernels, top 40"); print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))

@@ -73,7 +73,8 @@ def test_triton_backend_really_dispatches_to_triton(monkeypatch):
     m = model()
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "down_proj"], r=4, alpha=8))
     # gate/up (plain linears here) run as one stacked GEMM on "triton", so SwiGLU reads its [gate | up] in place
-    for backend, expected in (("triton", {"rms_norm", "apply_rope", "swiglu_halves", "lora_linear",
+    # the residual adds run inside the norms that read them (add_rms_norm); the first layer's input norm has none
+    for backend, expected in (("triton", {"rms_norm", "add_rms_norm", "apply_rope", "swiglu_halves", "lora_linear",
                                           "linear_cross_entropy", "linear_token_logprobs"}),
                               ("auto", set())):      # CPU tensors: "auto" keeps the reference
         calls.clear()

@@ -8,6 +8,8 @@ Providers, all on the same token batches:
   ours_reference        our Decoder, causal_lm_loss, kernels "reference"
   ours_fused            the same, kernels "auto" (fused Triton ops; q/k/v and gate/up stacked into one GEMM each)
   ours_fused_nostack    the same with q/k/v and gate/up one GEMM each (before 2026-12-04)
+  ours_fused_unfusednorm  the same with the residual adds as their own ops and the norms in fp32 (before
+                        2026-12-04 pm; bench.workloads.norms_fused)
   ours_fused_compiled   kernels "auto" + torch.compile(model.hidden_states) (the blocks; the loss head
                         stays eager: its label filter is data-dependent); a compile error is recorded
 MFU = tokens/s × (6·N_nonembedding + 12·L·h·seq) / 790e12, N_nonembedding without embed_tokens and
@@ -22,12 +24,13 @@ import torch
 from glm_lora import kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
-                             ratios, selected, setup, siblings_stacked, table, timed)
+                             norms_fused, ratios, selected, setup, siblings_stacked, table, timed)
 from glm_lora.engine.losses import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import DecoderConfig
 
-PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_nostack", "ours_fused_compiled")
+PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_nostack", "ours_fused_unfusednorm",
+             "ours_fused_compiled")
 BASE = "hf_eager"
 PEAK_FLOPS = 790e12
 MFU_FORMULA = "tokens/s * (6*N_nonembedding + 12*L*h*seq) / 790e12; N_nonembedding excludes embed_tokens and lm_head"
@@ -65,7 +68,8 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
             return causal_lm_loss(model, b)[0]
     opt = build_optimizer(model, 3e-4, 0.1, fused=device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
-    with kernels.using("reference" if name == "ours_reference" else "auto"), siblings_stacked(not name.endswith("_nostack")):
+    with kernels.using("reference" if name == "ours_reference" else "auto"), siblings_stacked(not name.endswith("_nostack")), \
+            norms_fused(not name.endswith("_unfusednorm")):
         return {**timed(train_step(loss_of, opt, device), batches, args.warmup, device), "params": params}
 
 

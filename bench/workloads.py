@@ -159,7 +159,7 @@ def norms_fused(on: bool):
         def unfused(x, residual, weight, eps, out_dtype=None):
             s = x + residual
             return s, kernels.rms_norm(s, weight, eps, out_dtype)
-        kernels.add_rms_norm, m._matmul_input_dtype = unfused, lambda x: None
+        kernels.add_rms_norm, m._matmul_input_dtype = unfused, lambda x, read_once: None
     try:
         yield
     finally:

@@ -89,18 +89,21 @@ class LoRALinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @staticmethod
-    def project_group(x: torch.Tensor, mods) -> torch.Tensor | None:
-        """Siblings over one input as one stacked op, their outputs side by side on the last dim
-        (kernels.lora_linear_group; adapters switched off, as in DPO's reference pass: the stacked base alone), or
-        None where they can't share one: another module type, a 4-bit base, dropout while training, scales that
-        differ, some adapters on and some off."""
+    def groupable(mods) -> bool:
+        """Whether siblings over one input can run as one stacked op (project_group): not with another module type,
+        a 4-bit base, dropout while training, scales that differ, or some adapters on and some off."""
         first = mods[0]
         if not all(type(m) is LoRALinear and m.nf4 is None and m.enabled == first.enabled for m in mods):
-            return None
+            return False
+        return not first.enabled or all(m.scale == first.scale and not (m.training and m.dropout > 0) for m in mods)
+
+    @staticmethod
+    def project_group(x: torch.Tensor, mods) -> torch.Tensor:
+        """`groupable` siblings over one input as one stacked op, their outputs side by side on the last dim
+        (kernels.lora_linear_group; adapters switched off, as in DPO's reference pass: the stacked base alone)."""
+        first = mods[0]
         if not first.enabled:
             return kernels.stacked_linear(x, [m.weight for m in mods], [m.bias for m in mods])
-        if not all(m.scale == first.scale and not (m.training and m.dropout > 0) for m in mods):
-            return None
         y = kernels.lora_linear_group(x, [m.weight for m in mods], [m.lora_A.weight for m in mods],
                                       [m.lora_B.weight for m in mods], first.scale)
         return y if first.bias is None else y + torch.cat([m.bias for m in mods])

@@ -138,11 +138,12 @@ class RMSNorm(nn.Module):
         return kernels.add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
-def _matmul_input_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype to write a norm's output in when only matrix products read it: autocast's, which each product
-    would cast it to anyway (the same numbers, without an fp32 copy and a cast); None without autocast."""
+def _matmul_input_dtype(x: torch.Tensor, read_once: bool) -> torch.dtype | None:
+    """The dtype to write a norm's output `x` in: autocast's where one matrix product reads it (`read_once`), which
+    would cast it to that anyway — the same numbers without an fp32 copy and a cast, and its one gradient arrives as
+    before; None without autocast or with several readers (their gradients are summed in fp32, as transformers')."""
     dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    return torch.get_autocast_dtype(dev) if read_once and torch.is_autocast_enabled(dev) else None
 
 
 def _attention_dtype(t: torch.Tensor) -> torch.dtype:
@@ -185,18 +186,25 @@ class KVCache:
         return (k, v) if self.prefill else (self.k[layer], self.v[layer])
 
 
-def stacked(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | None:
-    """Sibling projections of one input (q/k/v, gate/up) as one op, their outputs side by side on the last dim,
-    where the kernels stack siblings and the modules can share one (plain linears, or their class's
-    `project_group`, e.g. LoRA's); None otherwise."""
+def stacks(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether sibling projections of one input (q/k/v, gate/up) run as one op (`stacked`): where the kernels stack
+    siblings and the modules can share one (plain linears, or their class's `groupable`, e.g. LoRA's)."""
     if not kernels.stacks_siblings(x):
+        return False
+    groupable = getattr(type(linears[0]), "groupable", None)
+    if groupable is not None:
+        return groupable(linears)
+    return all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1
+
+
+def stacked(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | None:
+    """The siblings' outputs side by side on the last dim from one op where they `stacks`; None otherwise."""
+    if not stacks(x, *linears):
         return None
     group = getattr(type(linears[0]), "project_group", None)
     if group is not None:
         return group(x, linears)
-    if all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1:
-        return kernels.stacked_linear(x, [m.weight for m in linears], [m.bias for m in linears])
-    return None
+    return kernels.stacked_linear(x, [m.weight for m in linears], [m.bias for m in linears])
 
 
 def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -221,6 +229,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def reads_input_once(self, x) -> bool:
+        return stacks(x, self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
         B, T, _ = x.shape
@@ -247,6 +258,9 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
             self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+
+    def reads_input_once(self, x) -> bool:
+        return not hasattr(self, "gate_up_proj") and stacks(x, self.gate_proj, self.up_proj)
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
@@ -334,13 +348,13 @@ class Block(nn.Module):
     def forward(self, x, h, cos, sin, mask, cache: KVCache | None = None):
         """x: the residual stream; h: the previous block's output, not yet added to it (None before the first).
         Returns the same pair: each residual add runs inside the RMSNorm that reads the sum (kernels.add_rms_norm)."""
-        matmul_dtype = _matmul_input_dtype(x)
-        x, n = self.input_layernorm.add(x, h, matmul_dtype)
+        x, n = self.input_layernorm.add(x, h, _matmul_input_dtype(x, self.self_attn.reads_input_once(x)))
         h = self.self_attn(n, cos, sin, mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
             h = self.post_self_attn_layernorm(h)
-        # A MoE router scores in fp32 (as transformers'): its input stays unrounded
-        x, n = self.post_attention_layernorm.add(x, h, None if isinstance(self.mlp, MoE) else matmul_dtype)
+        # (a MoE's router scores in fp32, as transformers': its input stays unrounded)
+        once = not isinstance(self.mlp, MoE) and self.mlp.reads_input_once(x)
+        x, n = self.post_attention_layernorm.add(x, h, _matmul_input_dtype(x, once))
         h = self.mlp(n)
         if hasattr(self, "post_mlp_layernorm"):
             h = self.post_mlp_layernorm(h)

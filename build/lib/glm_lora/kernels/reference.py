@@ -1,0 +1,216 @@
+"""Pure-PyTorch reference ops. The fused Triton kernels must match these (forward and backward)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Normalise in fp32 like transformers' LlamaRMSNorm, then cast back. `out_dtype`: the result rounded to it
+    (what autocast would do to it before a matrix product); None keeps the promoted dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(x.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the RMSNorm that reads it: (x + residual, rms_norm(x + residual))."""
+    s = x + residual
+    return s, rms_norm(s, weight, eps, out_dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
+                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (B, T, rotary_dim) for `positions` (B, T), frequencies as transformers' default RoPE.
+
+    rotary_dim is the head dim, or fewer for partial rotary (GLM: head_dim × partial_rotary_factor).
+    Layout: rotate-half (Llama/Qwen: [f0 … fn, f0 … fn]) or interleaved (GLM: [f0, f0, f1, f1, …],
+    what transformers' modeling_glm4.apply_rotary_pos_emb builds with repeat_interleave).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim))
+    freqs = positions.float()[..., None] * inv_freq          # (B, T, rotary_dim/2)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()                              # (B, T, rotary_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's rotate_half: each pair (x0, x1) → (-x1, x0)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (B, H, T, D); cos, sin: (B, T, R) with R ≤ D: the first R dims of each head rotate, the
+    rest pass through unchanged (partial rotary, GLM). `interleaved`: rotate pairs, not halves."""
+    cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+    rotate = _rotate_pairs if interleaved else _rotate_half
+    R = cos.shape[-1]
+
+    def rope(x):
+        if R == x.shape[-1]:
+            return x * cos + rotate(x) * sin
+        x_rot, x_pass = x[..., :R], x[..., R:]
+        return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
+    return rope(q), rope(k)
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids → (B, 1, T, T) bool mask: attend to earlier tokens of the same document.
+
+    Padding (id 0) attends to earlier padding only, so no row of the mask is empty (no NaNs).
+    """
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention, optionally confined to documents. q (B, H, T, D); k, v (B, Hkv, T, D).
+
+    Under autocast on the CPU it runs in fp32 (output in q's dtype): the bf16 CPU flash-attention
+    backward took ~4.5x the fp32 one's time at the tiny default's shapes (bench/RESULTS.md, "Two cores:
+    bf16"), while the matmuls around it gain from bf16 (AMX)."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return attention_in_fp32(q, k, v, mask)
+    return _attention(q, k, v, mask)
+
+
+def attention_in_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    with torch.autocast(q.device.type, enabled=False):
+        return _attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa:     # SDPA's fused CUDA kernels take a mask or GQA, not both (else: the slow math path)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """swiglu of gate_up = [gate | up] on the last dim (one GEMM's stacked output)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu(gate, up)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                scale: float, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """y = x Wᵀ + scale · dropout(x) Aᵀ Bᵀ, with W (out, in), A (r, in), B (out, r)."""
+    lora_in = F.dropout(x, dropout, training) if dropout > 0 else x
+    return F.linear(x, weight) + scale * F.linear(F.linear(lora_in, lora_a), lora_b)
+
+
+def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
+                      lora_bs: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Sibling LoRA linears over one input (q/k/v, gate/up): each `lora_linear(x, W_i, A_i, B_i, scale)`, side by
+    side on the last dim."""
+    return torch.cat([lora_linear(x, w, a, b, scale) for w, a, b in zip(weights, lora_as, lora_bs)], dim=-1)
+
+
+def scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha · m1 m2 in one GEMM (alpha applied in the epilogue, one rounding): the fused LoRA paths' building block."""
+    out = torch.empty(m1.shape[0], m2.shape[1], dtype=m1.dtype, device=m1.device)
+    return out.addmm_(m1, m2, beta=0, alpha=alpha)
+
+
+def lora_gemm(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """a·b + scale·(p·q) in fp32, rounded once to a's dtype (kernels/triton_lora_gemm.py's specification)."""
+    return (a.float() @ b.float() + scale * (p.float() @ q.float())).to(a.dtype)
+
+
+def check_grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> None:
+    """The grouped ops' argument rules (ValueError naming the broken one): x (M, K), w (G, N, K) of x's dtype
+    and device, offsets (G,) int32 on x's device. `values`: also the offsets' values — non-decreasing, ≥ 0,
+    offsets[-1] == M — which reads them on the host (a sync on CUDA: the Triton op skips it there)."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped mm: x must be (M, K) and w (G, N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"grouped mm: x and w differ in dtype/device ({x.dtype}/{x.device} vs {w.dtype}/{w.device})")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32 or offsets.numel() != w.shape[0] or w.shape[0] == 0:
+        raise ValueError(f"grouped mm: offsets must be (G,) = ({w.shape[0]},) int32 (cumulative end rows), "
+                         f"got {tuple(offsets.shape)} {offsets.dtype}")
+    if offsets.device != x.device:
+        raise ValueError(f"grouped mm: offsets on {offsets.device}, x on {x.device}")
+    if values:
+        ends = offsets.tolist()
+        if any(e < s for s, e in zip([0] + ends, ends)) or ends[-1] != x.shape[0]:
+            raise ValueError(f"grouped mm: offsets must be non-decreasing from 0 and end at M = {x.shape[0]}, "
+                             f"got {ends[:8]}{' …' if len(ends) > 8 else ''}")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y[rows_g] = x[rows_g] · w[g]ᵀ per group g, the rows of group g being offsets[g-1]:offsets[g]
+    (torch._grouped_mm's `offs`: cumulative end rows). x (M, K) sorted by group, w (G, N, K) → y (M, N).
+
+    A Python loop over the groups, one F.linear each (the per-expert loop a MoE layer runs without a grouped
+    GEMM); differentiable by autograd, dw only when w requires grad. Reads the offsets on the host. Its
+    backward is slow by construction: each group's slice and weight index adds a full-size gradient. Under
+    autocast both operands go to the autocast dtype first, as F.linear's would (and the Triton op's do)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
+    check_grouped(x, w, offsets)
+    ends = offsets.tolist()
+    parts = [F.linear(x[s:e], w[g]) for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)) if e > s]
+    return torch.cat(parts) if parts else x.new_empty(0, w.shape[1])
+
+
+def grouped_lora_mm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                    offsets: torch.Tensor) -> torch.Tensor:
+    """grouped_mm(x, w) + scale · grouped_mm(grouped_mm(x, a), b): per-group LoRA, a (G, r, K), b (G, N, r)."""
+    return grouped_mm(x, w, offsets) + scale * grouped_mm(grouped_mm(x, a, offsets), b, offsets)
+
+NF4_BLOCK, NESTED_BLOCK = 64, 256      # weights per absmax; absmaxes per nested (fp32) absmax
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax_codes: torch.Tensor, nested_absmax: torch.Tensor,
+                   offset: torch.Tensor, code: torch.Tensor, nested_code: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' NF4 with double-quantised scales (QLoRA, arXiv:2305.14314) → the flat weight in `dtype`.
+
+    packed (n/2,) uint8: two 4-bit indices into `code` (16 NF4 values) per byte, the first element in the
+    high nibble. Each block of NF4_BLOCK weights has a scale absmax = nested_code[absmax_codes[b]] ·
+    nested_absmax[b // NESTED_BLOCK] + offset (fp32: the multiply and the add rounded apart, as bnb's
+    dequantize_blockwise then `absmax += offset`); a weight is code[index] · absmax, rounded once to `dtype`.
+    """
+    absmax = nested_code[absmax_codes.long()] * nested_absmax.repeat_interleave(NESTED_BLOCK)[:absmax_codes.numel()]
+    absmax = absmax + offset
+    indices = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1, NF4_BLOCK).long()
+    return (code[indices] * absmax[:, None]).view(-1).to(dtype)
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits are upcast to fp32 for the softmax; fp32/fp64 stay as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token NLL over labelled positions and their count. hidden (N, C), labels (N,)."""
+    logits = _upcast(F.linear(hidden, weight))
+    loss_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return loss_sum, (labels != ignore_index).sum()
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """log p(label) per position (0 where label == ignore_index). hidden (B, T, C), labels (B, T)."""
+    logits = _upcast(F.linear(hidden, weight))
+    mask = labels != ignore_index
+    safe = labels.masked_fill(~mask, 0)
+    logp = torch.gather(logits.log_softmax(-1), -1, safe[..., None]).squeeze(-1)
+    return logp * mask

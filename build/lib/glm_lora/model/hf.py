@@ -1,0 +1,415 @@
+"""The weight-name map between our decoder and transformers' causal LMs of each supported layout,
+their config.json both ways, and native checkpoint I/O. Export (our → HF) and base-model import
+(HF → our) both use LAYER_WEIGHTS.
+
+Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GlmForCausalLM (GLM-4-9B-chat-hf),
+Glm4ForCausalLM (GLM-4-0414) and Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, mixture of experts);
+`DecoderConfig.arch` is the HF model_type. Anything our decoder cannot reproduce exactly (rope scaling,
+sliding windows, experts outside glm4_moe, biases or partial rotary where the layout has none, another
+activation, a router other than GLM-4.5's) is refused naming the config key.
+
+Routed experts: on disk one 2D weight per expert and projection (`mlp.experts.{e}.gate_proj.weight`, as the
+GLM-4.5 checkpoints and transformers' save_pretrained store them, and as vLLM loads them); in our decoder (and in
+transformers' memory) stacked: `mlp.experts.gate_up_proj` (E, 2I, C) = [gate | up] rows, `mlp.experts.down_proj`
+(E, C, I). `EXPERT_WEIGHTS` is that map. GLM-4.5's multi-token-prediction layers (`model.layers.{L}.*` for
+L ≥ num_hidden_layers, `num_nextn_predict_layers` of them) are not part of our forward: they are carried
+unchanged from import to export (`Decoder.carried`) so vLLM's speculative decoding can use them.
+
+Safetensors only: nothing a user hands in is ever unpickled.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from glm_lora.configs.errors import UserError, quote
+from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig
+
+
+class BaseModelError(UserError, ValueError):
+    """A base-model directory we cannot import; the message names the file and key."""
+
+
+# model_type (= our arch) → architecture
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+NATIVE_WEIGHTS, NATIVE_CONFIG, NATIVE_CARRIED = "model.safetensors", "config.json", "carried.safetensors"
+
+# Parameters of one decoder layer (model.layers.N.<name>), as transformers names them in each
+# architecture, and so do we: the map is the identity, written out per architecture.
+_ATTN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+_QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")   # dropped if attention_bias is off
+_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+_SWIGLU = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_GLM_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+_QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")                  # dropped if qk_norm is off
+LAYER_WEIGHTS = {
+    "llama": _NORMS + _ATTN + _SWIGLU,
+    "qwen2": _NORMS + _ATTN + _QKV_BIAS + _SWIGLU,
+    "qwen3": _NORMS + _ATTN + _QK_NORM + _SWIGLU,
+    "glm": _NORMS + _ATTN + _QKV_BIAS + _GLM_MLP,
+    "glm4": _NORMS + ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight") + _ATTN + _QKV_BIAS + _GLM_MLP,
+    "glm4_moe": _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + _SWIGLU,            # the first_k_dense_replace dense layers
+}
+# glm4_moe's MoE layers: attention as above, then the router, the shared expert and the routed experts.
+MOE_LAYER_WEIGHTS = _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + (
+    "mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+# our stacked expert weight → (HF per-expert name with {e}, the rows of it each expert's weight is): gate_up_proj
+# holds [gate | up], so gate is its first half of rows and up the second.
+EXPERT_WEIGHTS = {"mlp.experts.gate_up_proj": (("mlp.experts.{e}.gate_proj.weight", 0),
+                                               ("mlp.experts.{e}.up_proj.weight", 1)),
+                  "mlp.experts.down_proj": (("mlp.experts.{e}.down_proj.weight", None),)}
+# Weights in a checkpoint that transformers itself never loads (old Llama exports kept RoPE's buffer).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# MoE config keys across families: any of them set means experts our dense MLP cannot hold (outside glm4_moe).
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+             "num_experts_per_tok")
+# glm4_moe's keys, read into DecoderConfig fields of the same names (Glm4MoeConfig's defaults where absent).
+MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+            "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+_GLM4_MOE_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                      "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0}
+# Router settings of the DeepSeek-V3 family that GLM-4.5's router (sigmoid, group-limited, bias-corrected)
+# does not take: a value other than the one named means a router we would not reproduce.
+_GLM4_MOE_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
+    """our parameter name → HF parameter name (identical by construction; the stacked routed experts are
+    `expert_weight_names`)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        layer = MOE_LAYER_WEIGHTS if cfg.is_moe_layer(i) else LAYER_WEIGHTS[cfg.arch]
+        names += [f"model.layers.{i}.{n}" for n in layer
+                  if (cfg.attention_bias or n not in _QKV_BIAS) and (cfg.qk_norm or n not in _QK_NORM)]
+    return {n: n for n in names}
+
+
+def expert_weight_names(cfg: DecoderConfig) -> dict[str, list[tuple[str, int | None]]]:
+    """our stacked expert weight → [(HF name of expert e's weight, which half of its rows: 0, 1 or None = all)]
+    for every MoE layer, expert by expert (EXPERT_WEIGHTS written out)."""
+    return {f"model.layers.{i}.{ours}": [(f"model.layers.{i}.{hf.format(e=e)}", half)
+                                          for e in range(cfg.n_routed_experts) for hf, half in parts]
+            for i in range(cfg.num_layers) if cfg.is_moe_layer(i) for ours, parts in EXPERT_WEIGHTS.items()}
+
+
+def split_experts(name: str, stacked: torch.Tensor, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    """One stacked expert weight of ours → its per-expert HF tensors."""
+    out = {}
+    for (hf, half), e in zip(expert_weight_names(cfg)[name], _expert_index(cfg, name)):
+        w = stacked[e]
+        out[hf] = (w if half is None else w.chunk(2, dim=0)[half]).contiguous()
+    return out
+
+
+def stack_experts(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig, source: Path) -> torch.Tensor:
+    """The per-expert HF tensors of one stacked expert weight of ours, stacked (transformers' fused 3D key is
+    taken as it is); BaseModelError naming the first missing weight."""
+    if name in state:
+        return state.pop(name)
+    parts: dict[int, list[torch.Tensor]] = {}
+    for (hf, half), e in zip(expert_weight_names(cfg)[name], _expert_index(cfg, name)):
+        if hf not in state:
+            raise BaseModelError(f"{source}: weight {hf!r} missing from the safetensors files (config.json describes "
+                                 f"{cfg.n_routed_experts} routed experts in layer {name.split('.')[2]})")
+        parts.setdefault(e, []).append(state.pop(hf))
+    return torch.stack([torch.cat(parts[e], dim=0) for e in range(cfg.n_routed_experts)])
+
+
+def _expert_index(cfg: DecoderConfig, name: str) -> list[int]:
+    per_expert = len(EXPERT_WEIGHTS[name.split(".", 3)[3]])
+    return [e for e in range(cfg.n_routed_experts) for _ in range(per_expert)]
+
+
+def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None, pad_id: int | None,
+                   dtype: str = "float32") -> dict:
+    """config.json of the HF class of `cfg.arch` (written through transformers' own config class)."""
+    import transformers  # lazily: only export needs transformers
+
+    arch = cfg.arch
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    extra: dict = {"head_dim": cfg.head_dim}
+    if arch == "llama":
+        extra |= {"mlp_bias": False, "attention_bias": False}
+    elif arch in ("qwen2", "qwen3"):
+        extra |= {"use_sliding_window": False} | ({"attention_bias": False} if arch == "qwen3" else {})
+        if arch == "qwen2":
+            del extra["head_dim"]   # Qwen2Config has none: hidden_size / heads
+    else:   # glm, glm4, glm4_moe
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+        extra |= {"attention_bias": cfg.attention_bias, "partial_rotary_factor": cfg.partial_rotary_factor}
+    if arch == "glm4_moe":
+        extra |= {k: getattr(cfg, k) for k in MOE_KEYS} | {"use_qk_norm": cfg.qk_norm,
+                                                           "num_nextn_predict_layers": cfg.num_nextn_predict_layers}
+    config_class = getattr(transformers, HF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
+    hf = config_class(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps, hidden_act="silu",
+        rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype=dtype, **extra,
+    )
+    d = hf.to_dict()
+    # GlmConfig/Glm4Config replace a missing eos/pad with GLM-4's own ids: keep ours (None included).
+    d["bos_token_id"], d["eos_token_id"], d["pad_token_id"] = bos_id, eos_id, pad_id
+    d["architectures"] = [HF_ARCHITECTURES[arch]]
+    return d
+
+
+def _supported(key: str) -> str:
+    return ", ".join(a for a, layout in LAYOUTS.items() if key in layout.variable)
+
+
+def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConfig:
+    """Read a supported HF config; refuse, naming the key, what our decoder cannot reproduce exactly."""
+    arch = _arch(hf, source)
+    layout = LAYOUTS[arch]
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
+    if missing:
+        raise BaseModelError(f"{source}: required key {missing[0]!r} is missing or not an integer "
+                             f"(got {quote(hf.get(missing[0]))})")
+    if hf.get("mlp_bias"):
+        raise BaseModelError(f"{source}: mlp_bias=true is not supported; supported: MLPs without bias (every layout)")
+    _check_attention_and_activation(hf, arch, source)
+    partial = _partial_rotary(hf, arch, source)
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim * heads != hf["hidden_size"] and not layout.moe:      # GLM-4.5: 96 heads × 128 over hidden 5120
+        raise BaseModelError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}; "
+                             "supported: head_dim = hidden_size / num_attention_heads (any head_dim in glm4_moe)")
+    if heads % kv_heads:
+        raise BaseModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) else None
+    if rotary is None or not 0 < rotary <= head_dim or rotary % 2:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} × head_dim {head_dim} must give an "
+                             "even number of rotated dims in (0, head_dim]")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return DecoderConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_norm_eps=hf.get("rms_norm_eps", 1.5625e-07 if arch in ("glm", "glm4") else 1e-6),   # class defaults
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        arch=arch, attention_bias=_attention_bias(hf, arch, source), partial_rotary_factor=float(partial),
+        qk_norm=bool(hf.get("use_qk_norm", False)) if "qk_norm" in layout.variable else None,
+        **(_moe_fields(hf, source) if layout.moe else {}),
+    )
+
+
+def _arch(hf: dict, source: str) -> str:
+    arch_name = (hf.get("architectures") or ["?"])[0]
+    arch = hf.get("model_type")
+    if arch not in HF_ARCHITECTURES:
+        supported = ", ".join(f"{a} (model_type '{t}')" for t, a in HF_ARCHITECTURES.items())
+        raise BaseModelError(f"{source}: model_type {quote(arch)} / {quote(arch_name)} is not supported; "
+                             f"supported: {supported}")
+    return arch
+
+
+def _attention_bias(hf: dict, arch: str, source: str) -> bool:
+    """Llama/Qwen3's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v bias without a key; GLM's is q/k/v only."""
+    layout = LAYOUTS[arch]
+    if "attention_bias" in layout.variable:
+        return bool(hf.get("attention_bias", layout.attention_bias))
+    if hf.get("attention_bias") and arch != "qwen2":
+        raise BaseModelError(f"{source}: attention_bias=true is not supported for model_type {quote(arch)} (its "
+                             f"layout has no attention bias); supported: q/k/v bias in qwen2, {_supported('attention_bias')}")
+    return layout.attention_bias
+
+
+def _check_attention_and_activation(hf: dict, arch: str, source: str) -> None:
+    if not LAYOUTS[arch].moe:
+        for key in _MOE_KEYS:
+            if hf.get(key):
+                raise BaseModelError(f"{source}: {key}={quote(hf[key])} (mixture of experts) is not supported for "
+                                     f"model_type {quote(arch)}; supported: experts in glm4_moe (Glm4MoeForCausalLM)")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        what = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types {quote(hf['layer_types'])}"
+        raise BaseModelError(f"{source}: {what} (sliding-window attention) is not supported; "
+                             "supported: full attention in every layer")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise BaseModelError(f"{source}: hidden_act {quote(hf['hidden_act'])} is not supported; supported: 'silu'")
+    if hf.get("use_qk_norm") and "qk_norm" not in LAYOUTS[arch].variable and not LAYOUTS[arch].qk_norm:
+        raise BaseModelError(f"{source}: use_qk_norm=true is not supported for model_type {quote(arch)}; "
+                             f"supported: {_supported('qk_norm')} (qwen3 always normalises q/k)")
+
+
+def _partial_rotary(hf: dict, arch: str, source: str):
+    layout = LAYOUTS[arch]
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))   # legacy configs spell it `type`
+    if rope_type != "default":
+        raise BaseModelError(f"{source}: {rope_key} rope type {quote(rope_type)} is not supported; supported: 'default'")
+    partial = rope.get("partial_rotary_factor")
+    partial = hf.get("partial_rotary_factor") if partial is None else partial
+    partial = layout.partial_rotary_factor if partial is None else partial     # absent: the class default
+    if partial != layout.partial_rotary_factor and "partial_rotary_factor" not in layout.variable:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} is not supported for model_type "
+                             f"{quote(arch)} (it rotates whole heads); supported: partial rotary in "
+                             f"{_supported('partial_rotary_factor')}")
+    return partial
+
+
+def _moe_fields(hf: dict, source: str) -> dict:
+    """glm4_moe's expert settings, refused (naming the key) where GLM-4.5's router and experts would not be
+    reproduced exactly."""
+    for key, want in _GLM4_MOE_ROUTER.items():
+        if key in hf and hf[key] != want:
+            raise BaseModelError(f"{source}: {key} {quote(hf[key])} is not supported for model_type 'glm4_moe'; "
+                                 f"supported: {want!r} (GLM-4.5's router)")
+    out = {k: hf.get(k, _GLM4_MOE_DEFAULTS.get(k)) for k in (*MOE_KEYS, "num_nextn_predict_layers")}
+    for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
+            raise BaseModelError(f"{source}: {key} must be a positive integer for model_type 'glm4_moe' "
+                                 f"(got {quote(out[key])})")
+    experts, groups, k = out["n_routed_experts"], out["n_group"], out["num_experts_per_tok"]
+    if groups < 1 or experts % groups or experts // groups < 2:
+        raise BaseModelError(f"{source}: n_group {quote(groups)} must divide n_routed_experts {experts} into groups of "
+                             "at least 2 experts (a group scores the sum of its two best)")
+    if not 1 <= out["topk_group"] <= groups or k > out["topk_group"] * experts // groups:
+        raise BaseModelError(f"{source}: topk_group {quote(out['topk_group'])} must be in 1..n_group ({groups}) and leave "
+                             f"at least num_experts_per_tok ({k}) experts to choose from")
+    if not 0 <= out["first_k_dense_replace"] <= hf["num_hidden_layers"]:
+        raise BaseModelError(f"{source}: first_k_dense_replace {quote(out['first_k_dense_replace'])} must be in "
+                             f"0..num_hidden_layers ({hf['num_hidden_layers']})")
+    return out
+
+
+def read_hf_config(path: Path) -> DecoderConfig:
+    """A base model directory's config.json → our DecoderConfig, or a BaseModelError naming the file and key."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise BaseModelError(f"base_model {path}: no config.json (expected a local Hugging Face model directory)")
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise BaseModelError(f"{cfg_file}: not readable JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise BaseModelError(f"{cfg_file}: expected a JSON object")
+    return decoder_config_from_hf(hf, str(cfg_file))
+
+
+def check_weights(path: Path) -> list[Path]:
+    """The *.safetensors files of a model directory; refuses a directory with only pickled weights."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in Path(path).glob("*.bin")) + sorted(p.name for p in Path(path).glob("*.pt"))
+        raise BaseModelError(f"base_model {path}: no *.safetensors weights"
+                             + (f" (only pickled {', '.join(pickled[:3])}, which are never loaded: convert them with "
+                                "`model.save_pretrained(dir, safe_serialization=True)`)" if pickled else ""))
+    return files
+
+
+def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    files = check_weights(path)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_hf(path: Path) -> Decoder:
+    """A local HF directory of a supported architecture → our Decoder (fp32), via the weight map.
+
+    The weights must be exactly what config.json describes: a missing weight, one the layout has no
+    place for (e.g. a bias config.json does not declare), or a separate lm_head beside
+    tie_word_embeddings=true is refused naming the weight — transformers would drop or re-tie it.
+    GLM-4.5's MTP layers are carried (model.carried), not loaded into the forward.
+    """
+    path = Path(path)
+    cfg = read_hf_config(path)
+    state = _load_safetensors_dir(path)
+    model = Decoder(cfg)
+    ours = {name: stack_experts(name, state, cfg, path).float() for name in expert_weight_names(cfg)}
+    wmap = hf_weight_map(cfg)
+    for our_name, hf_name in wmap.items():
+        if hf_name not in state:
+            raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files "
+                                 f"(config.json describes a {HF_ARCHITECTURES[cfg.arch]})")
+        ours[our_name] = state[hf_name].float()
+    if cfg.tie_embeddings and "lm_head.weight" in state:
+        if not torch.equal(state["lm_head.weight"].float(), ours["model.embed_tokens.weight"]):
+            raise BaseModelError(f"{path / 'config.json'}: tie_word_embeddings=true, but the safetensors files hold an "
+                                 "lm_head.weight that differs from model.embed_tokens.weight; supported: "
+                                 "tie_word_embeddings=false with both weights, or true with equal (or no) lm_head.weight")
+        state.pop("lm_head.weight")
+    model.carried = _carried_layers(state, cfg, path)
+    extra = sorted(k for k in set(state) - set(wmap.values()) if not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise BaseModelError(f"{path}: weight {extra[0]!r} ({len(extra)} unexpected in all) has no place in the "
+                             f"{HF_ARCHITECTURES[cfg.arch]} layout config.json describes (check attention_bias, "
+                             "model_type and the layer count)")
+    model.load_state_dict(ours, strict=not cfg.tie_embeddings)
+    return model
+
+
+def _carried_layers(state: dict[str, torch.Tensor], cfg: DecoderConfig, path: Path) -> dict[str, torch.Tensor]:
+    """Pop GLM-4.5's MTP layers (model.layers.L.* for L ≥ num_layers) from `state`, as they are on disk. Without
+    num_nextn_predict_layers in config.json they have no place (vLLM refuses such a model to start)."""
+    carried = {k: state.pop(k) for k in list(state) if k.startswith("model.layers.")
+               and int(k.split(".")[2]) >= cfg.num_layers}
+    if carried and not cfg.num_nextn_predict_layers:
+        raise BaseModelError(f"{path}: weight {min(carried)!r} belongs to layer {min(carried).split('.')[2]}, past "
+                             f"num_hidden_layers {cfg.num_layers}, and config.json declares no "
+                             "num_nextn_predict_layers (MTP layers) it could be")
+    return carried
+
+
+def check_tokenizer_fits(path: Path, tokenizer_size: int) -> None:
+    """Refuse a base model whose tokenizer has more tokens (len(tokenizer), added tokens included) than
+    its config.json `vocab_size`: their ids would index past the embedding. Fewer is fine (GLM-4 and
+    Qwen pad vocab_size to a multiple of 64/128)."""
+    path = Path(path)
+    vocab = read_hf_config(path).vocab_size
+    if tokenizer_size > vocab:
+        files = [f for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json") if (path / f).is_file()]
+        raise BaseModelError(f"{path / 'config.json'}: vocab_size {vocab} is smaller than the tokenizer's "
+                             f"{tokenizer_size} tokens ({', '.join(files) or 'tokenizer files'} in {path}); "
+                             "supported: a tokenizer of at most vocab_size tokens")
+
+
+def save_hf(model: Decoder, out_dir: Path, *, bos_id, eos_id, pad_id, dtype: torch.dtype = torch.float32) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sd = model.state_dict()
+    tensors = {hf: sd[ours].detach().to(dtype).contiguous() for ours, hf in hf_weight_map(model.config).items()}
+    for ours in expert_weight_names(model.config):
+        tensors |= split_experts(ours, sd[ours].detach().to(dtype), model.config)
+    tensors |= {k: v.contiguous() for k, v in model.carried.items()}       # MTP layers: as imported, dtype too
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    dtype_name = str(dtype).removeprefix("torch.")
+    cfg = hf_config_dict(model.config, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, dtype=dtype_name)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def save_native(model: Decoder, out_dir: Path) -> None:
+    """Our own checkpoint: full weights + the decoder config (readable with `cat`)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, out_dir / NATIVE_WEIGHTS)
+    if model.carried:
+        save_file({k: v.contiguous() for k, v in model.carried.items()}, out_dir / NATIVE_CARRIED)
+    (out_dir / NATIVE_CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
+
+
+def load_native(path: Path, device: str | torch.device = "cpu") -> Decoder:
+    path = Path(path)
+    cfg = DecoderConfig.from_dict(json.loads((path / NATIVE_CONFIG).read_text()))
+    model = Decoder(cfg)
+    model.load_state_dict(load_file(path / NATIVE_WEIGHTS), strict=not cfg.tie_embeddings)
+    if (path / NATIVE_CARRIED).is_file():
+        model.carried = load_file(path / NATIVE_CARRIED)
+    return model.to(device)

@@ -1,0 +1,439 @@
+"""The glm-lora decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, mixture of experts — readable in
+one sitting.
+
+One decoder, six Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
+Qwen3 (q/k RMSNorm), GLM (q/k/v bias, fused gate_up_proj, GLM's interleaved partial RoPE), GLM-4-0414
+(GLM plus a norm on each branch's output) and GLM-4.5 (glm4_moe: after `first_k_dense_replace` dense layers,
+each MLP is a mixture of routed experts plus shared experts; partial RoPE in halves, optional q/k norm).
+Module names follow transformers' classes of that layout exactly (model.layers.N.self_attn.q_proj,
+...mlp.gate_up_proj, ...mlp.experts.gate_up_proj, ...) so the weight map in model/hf.py is one explicit list
+per architecture and PEFT adapter keys line up.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from glm_lora import kernels
+@dataclass(frozen=True)
+class Layout:
+    """What one HF architecture's decoder layer has (names as in its transformers modeling file)."""
+
+    attention_bias: bool = False         # bias on q/k/v (never on o)
+    partial_rotary_factor: float = 1.0   # share of each head's dims RoPE rotates; the rest pass through
+    variable: tuple[str, ...] = ()       # which of attention_bias, partial_rotary_factor, qk_norm a model may set
+    qk_norm: bool = False                # RMSNorm on each head's q and k before RoPE
+    fused_gate_up: bool = False          # one mlp.gate_up_proj whose output is [gate | up]
+    sandwich_norms: bool = False         # post_self_attn_layernorm / post_mlp_layernorm on each branch's output
+    rope_interleaved: bool = False       # RoPE rotates pairs (x0, x1), (x2, x3)… instead of halves
+    moe: bool = False                    # layers ≥ first_k_dense_replace: routed + shared experts (MoE below)
+
+
+_GLM = dict(attention_bias=True, partial_rotary_factor=0.5, variable=("attention_bias", "partial_rotary_factor"),
+            fused_gate_up=True, rope_interleaved=True)   # transformers' GlmConfig/Glm4Config defaults
+LAYOUTS = {
+    "llama": Layout(),
+    "qwen2": Layout(attention_bias=True),                # Qwen2Attention: q/k/v bias always on
+    "qwen3": Layout(qk_norm=True),
+    "glm": Layout(**_GLM),                               # GLM-4-9B-chat-hf (GlmForCausalLM)
+    "glm4": Layout(**_GLM, sandwich_norms=True),         # GLM-4-0414 (Glm4ForCausalLM)
+    "glm4_moe": Layout(partial_rotary_factor=0.5, moe=True,   # GLM-4.5/4.6/4.7 (Glm4MoeForCausalLM)
+                       variable=("attention_bias", "partial_rotary_factor", "qk_norm")),
+}
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int = 192
+    num_layers: int = 3
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    head_dim: int = 0                            # 0: hidden_size / num_heads (GLM-4.5 sets its own)
+    intermediate_size: int = 512
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    arch: str = "llama"                          # a key of LAYOUTS
+    attention_bias: bool | None = None           # None: the layout's default
+    partial_rotary_factor: float | None = None   # None: the layout's default
+    qk_norm: bool | None = None                  # None: the layout's default
+    # Mixture of experts (layout.moe; transformers' Glm4MoeConfig names): from layer first_k_dense_replace on,
+    # each token goes to num_experts_per_tok of n_routed_experts experts (chosen in the best topk_group of
+    # n_group groups), plus n_shared_experts' worth of an always-on expert.
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0            # GLM-4.5's MTP layers: carried for export, not run (model/hf.py)
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
+        if self.arch not in LAYOUTS:
+            raise ValueError(f"arch {self.arch!r} is not supported; supported: {', '.join(LAYOUTS)}")
+        layout = LAYOUTS[self.arch]
+        for key in ("attention_bias", "partial_rotary_factor", "qk_norm"):
+            if getattr(self, key) is None:
+                setattr(self, key, getattr(layout, key))
+            elif key not in layout.variable and getattr(self, key) != getattr(layout, key):
+                raise ValueError(f"{key}={getattr(self, key)} is not part of the {self.arch} layout "
+                                 f"(always {getattr(layout, key)}); supported: "
+                                 f"{', '.join(a for a, l in LAYOUTS.items() if key in l.variable)}")
+        if self.layout.moe and self.first_k_dense_replace < self.num_layers and not (
+                self.n_routed_experts >= 2 and 1 <= self.num_experts_per_tok <= self.n_routed_experts
+                and self.moe_intermediate_size >= 1 and self.n_routed_experts % self.n_group == 0):
+            raise ValueError(f"arch {self.arch} needs n_routed_experts ≥ 2 (a multiple of n_group), num_experts_per_tok "
+                             "in 1..n_routed_experts and moe_intermediate_size ≥ 1 for its MoE layers")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} × head_dim {self.head_dim} must "
+                             "give an even number of rotated dims")
+
+    @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.arch]
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.layout.moe and i >= self.first_k_dense_replace
+
+    @property
+    def rotary_dim(self) -> int:   # int(), as transformers' default RoPE init does
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderConfig":
+        """Tolerant: unknown keys are dropped; checkpoints from before `arch` say `qk_norm` instead."""
+        d = dict(d)
+        if "arch" not in d:
+            d["arch"] = "qwen3" if d.get("qk_norm") else "llama"
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, out_dtype: torch.dtype | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, out_dtype)
+
+    def add(self, x, residual, out_dtype: torch.dtype | None = None):
+        """(x + residual, the norm of it), the residual stream's add fused into the norm; residual None: (x, norm)."""
+        if residual is None:
+            return x, self(x, out_dtype)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
+
+
+def _matmul_input_dtype(x: torch.Tensor, read_once: bool) -> torch.dtype | None:
+    """The dtype to write a norm's output `x` in: autocast's where one matrix product reads it (`read_once`), which
+    would cast it to that anyway — the same numbers without an fp32 copy and a cast, and its one gradient arrives as
+    before; None without autocast or with several readers (their gradients are summed in fp32, as transformers')."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if read_once and torch.is_autocast_enabled(dev) else None
+
+
+def _attention_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes `t` in: under CUDA autocast SDPA casts to the autocast dtype; on the CPU
+    attention runs in fp32 under autocast (kernels/reference.attention), so a tensor keeps its own."""
+    if t.is_cuda and torch.is_autocast_enabled("cuda") and t.is_floating_point():
+        return torch.get_autocast_dtype("cuda")
+    return t.dtype
+
+
+class KVCache:
+    """Every layer's keys and values so far, for incremental greedy decoding (engine/evaluate.py).
+
+    Rows may be at different lengths: each forward writes its tokens' keys/values at their own
+    `position_ids`, and a new token attends to the slots up to its position. The first forward (the
+    prompts, from position 0) attends as without a cache (plain causal); slots past a row's real length
+    hold padding's keys until that row's next tokens overwrite them, and are masked until then.
+    """
+
+    def __init__(self, slots: int):
+        self.slots, self.k, self.v = slots, [], []     # per layer: (B, Hkv, slots, D)
+        self.positions, self.prefill = None, True
+
+    def start(self, position_ids: torch.Tensor):
+        """Called once per forward: None while prefilling (causal), else the (B, 1, T, slots) bool mask."""
+        self.prefill, self.positions = not self.k, position_ids
+        if self.prefill:
+            return None
+        return (torch.arange(self.slots, device=position_ids.device) <= position_ids[..., None])[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, D) at this forward's positions; return what attention sees."""
+        if layer == len(self.k):     # each in the dtype attention reads it in: under autocast, q/k-normed keys (qwen3)
+            # come out of the fp32 RMSNorm, values in bf16; CUDA attention casts both to bf16 (the CPU's stays fp32)
+            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1], dtype=_attention_dtype(k)))
+            self.v.append(v.new_zeros(*v.shape[:2], self.slots, v.shape[-1], dtype=_attention_dtype(v)))
+        where = self.positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        self.k[layer].scatter_(2, where, k.to(self.k[layer].dtype))
+        self.v[layer].scatter_(2, where, v.to(self.v[layer].dtype))
+        return (k, v) if self.prefill else (self.k[layer], self.v[layer])
+
+
+def stacks(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether sibling projections of one input (q/k/v, gate/up) run as one op (`stacked`): where the kernels stack
+    siblings and the modules can share one (plain linears, or their class's `groupable`, e.g. LoRA's)."""
+    if not kernels.stacks_siblings(x):
+        return False
+    groupable = getattr(type(linears[0]), "groupable", None)
+    if groupable is not None:
+        return groupable(linears)
+    return all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1
+
+
+def stacked(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | None:
+    """The siblings' outputs side by side on the last dim from one op where they `stacks`; None otherwise."""
+    if not stacks(x, *linears):
+        return None
+    group = getattr(type(linears[0]), "project_group", None)
+    if group is not None:
+        return group(x, linears)
+    return kernels.stacked_linear(x, [m.weight for m in linears], [m.bias for m in linears])
+
+
+def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """The projections of one input, each output on its own: views of one stacked op's output, or one by one."""
+    out = stacked(x, *linears)
+    if out is None:
+        return tuple(m(x) for m in linears)
+    return out.split([m.out_features for m in linears], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx                  # its slot in a KVCache
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.interleaved = cfg.layout.rope_interleaved
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def reads_input_once(self, x) -> bool:
+        return stacks(x, self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
+        B, T, _ = x.shape
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)                # (B, H, T, D)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)                   # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = kernels.apply_rope(q, k, cos, sin, interleaved=self.interleaved)
+        if cache is not None:                   # decoding: the keys/values of every position so far
+            k, v = cache.update(self.layer_idx, k, v)
+        y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
+        if cfg.layout.fused_gate_up:    # GLM: one projection, output [gate | up]
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        else:
+            self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+            self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+
+    def reads_input_once(self, x) -> bool:
+        return not hasattr(self, "gate_up_proj") and stacks(x, self.gate_proj, self.up_proj)
+
+    def forward(self, x):
+        if hasattr(self, "gate_up_proj"):
+            gate_up = self.gate_up_proj(x)                                          # (B, T, 2I): [gate | up]
+        else:
+            gate_up = stacked(x, self.gate_proj, self.up_proj)
+            if gate_up is None:
+                return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(kernels.swiglu_halves(gate_up))
+
+
+class Router(nn.Module):
+    """GLM-4.5's router (DeepSeek-V3's): sigmoid scores per expert; the choice adds a load-balancing bias
+    (e_score_correction_bias, set by the model's trainers, frozen here) and keeps the experts of the best
+    `topk_group` of `n_group` groups (a group scores the sum of its two best); the weights are the chosen plain
+    scores, renormalised (norm_topk_prob) and scaled (routed_scaling_factor). In fp32, as transformers'."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        self.stats: dict | None = None           # the last training forward's routing (engine/router_stats.py)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        N, E = x.shape[0], self.weight.shape[0]                                   # x: (N, C)
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                # (N, E)
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(N, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)   # (N, n_group)
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]                 # (N, k)
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.training:
+            self.stats = {"experts": experts.detach(), "scores": scores}
+        return experts, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """The routed experts as stacked weights (transformers 5's in-memory layout): gate_up_proj (E, 2I, C)
+    with [gate | up] rows, down_proj (E, C, I). Each token's chosen experts run as grouped GEMMs
+    (kernels.moe_experts); LoRA on them is model/lora.py's LoRAExperts."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        E, C, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
+        self.down_proj = nn.Parameter(torch.empty(E, C, I))
+
+    def forward(self, x, experts, weights):
+        return kernels.moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+
+
+class MoE(nn.Module):
+    """Routed experts (each token's top-k, weighted) plus the shared expert every token goes through."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)                                                 # (N, C)
+        experts, weights = self.gate(flat)                                         # (N, k) each
+        return self.experts(flat, experts, weights).view(B, T, C) + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # (pre-MLP, despite its name)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        if cfg.layout.sandwich_norms:   # GLM-4-0414: each branch's output is normalised before the residual add
+            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, h, cos, sin, mask, cache: KVCache | None = None):
+        """x: the residual stream; h: the previous block's output, not yet added to it (None before the first).
+        Returns the same pair: each residual add runs inside the RMSNorm that reads the sum (kernels.add_rms_norm)."""
+        x, n = self.input_layernorm.add(x, h, _matmul_input_dtype(x, self.self_attn.reads_input_once(x)))
+        h = self.self_attn(n, cos, sin, mask, cache)
+        if hasattr(self, "post_self_attn_layernorm"):
+            h = self.post_self_attn_layernorm(h)
+        # (a MoE's router scores in fp32, as transformers': its input stays unrounded)
+        once = not isinstance(self.mlp, MoE) and self.mlp.reads_input_once(x)
+        x, n = self.post_attention_layernorm.add(x, h, _matmul_input_dtype(x, once))
+        h = self.mlp(n)
+        if hasattr(self, "post_mlp_layernorm"):
+            h = self.post_mlp_layernorm(h)
+        return x, h
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+        self.gradient_checkpointing = False     # recompute each block in backward: less memory, ~1/3 more compute
+        # Weights a checkpoint holds that this forward does not run (GLM-4.5's MTP layers, HF names): carried
+        # from import to export unchanged (model/hf.py). Plain tensors: no parameter, no state dict entry.
+        self.carried: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding, Router)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)                          # as transformers initialises q/k/v biases
+        if isinstance(m, Experts):
+            nn.init.normal_(m.gate_up_proj, mean=0.0, std=0.02)
+            nn.init.normal_(m.down_proj, mean=0.0, std=0.02)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, C); the loss heads apply lm_head themselves (fusable).
+
+        With `doc_ids` (packed rows), attention stays inside each document. With a `cache` (decoding,
+        no doc_ids) the tokens at `position_ids` attend to the cached positions too (see KVCache).
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        cfg = self.config
+        cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
+                                        interleaved=cfg.layout.rope_interleaved)   # (B, T, rotary_dim)
+        mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
+        if cache is not None:
+            mask = cache.start(position_ids)
+        x, h = self.model.embed_tokens(input_ids), None                           # (B, T, C); h: see Block
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if checkpointing:
+                x, h = torch.utils.checkpoint.checkpoint(layer, x, h, cos, sin, mask, use_reentrant=False)
+            else:
+                x, h = layer(x, h, cos, sin, mask, cache)
+        return self.model.norm.add(x, h)[1]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids, doc_ids))  # (B, T, V)
+
+    def num_params(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+        """Greedy decoding without a KV cache: fine for the tiny model and for parity checks."""
+        ids = torch.tensor([prompt_ids], device=self.lm_head.weight.device)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(self(ids[:, -self.config.max_seq_len:])[0, -1].argmax())
+            out.append(nxt)
+            if nxt == eos_id:
+                break
+            ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+        return out

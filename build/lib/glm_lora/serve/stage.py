@@ -1,0 +1,93 @@
+"""The serve stage: promote the run's export to the stable endpoint (blue/green, serve/deploy.py).
+
+The old model keeps answering on `serve.port` until the new one has started beside it, passed the
+smoke test (our in-process greedy answer included: parity is visible in every run) and the gate, and
+taken over; any failure leaves it serving and fails the stage with the reason. An unchanged export
+keeps the running server. The stage's output: answer.json, gate.md, and server.json (a summary; the
+live record is runs/<run>/serving/server.json).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from glm_lora.artifacts import is_complete, read_manifest
+from glm_lora.configs.errors import UserError
+from glm_lora.configs.schema import Config, ServeConfig
+from glm_lora.serve.deploy import RECORD, GateFailed, promote
+
+__all__ = ["GateFailed", "api_key", "promote_export", "run", "serve", "serving_notes"]   # GateFailed: the stage's gate error
+log = logging.getLogger("glm_lora.serve")
+
+
+def api_key(sc: ServeConfig) -> tuple[str | None, str | None]:
+    """(key, where it came from) for the served endpoint; the key never goes into a file or log."""
+    if sc.api_key_env:
+        key = os.environ.get(sc.api_key_env)
+        if not key:
+            raise UserError(f"serve.api_key_env: the environment variable {sc.api_key_env} is unset or empty; "
+                            "export the key in it where the flow runs (the worker's environment) or unset the option")
+        return key, f"environment variable {sc.api_key_env}"
+    if sc.api_key_secret:
+        from prefect.blocks.system import Secret
+        try:
+            key = Secret.load(sc.api_key_secret).get()
+        except ValueError as e:   # no such block
+            raise UserError(f"serve.api_key_secret: cannot load the Prefect Secret block {sc.api_key_secret!r} ({e})") from None
+        if not key or not isinstance(key, str):
+            raise UserError(f"serve.api_key_secret: the Prefect Secret block {sc.api_key_secret!r} must hold a non-empty string")
+        return key, f"Prefect Secret block {sc.api_key_secret}"
+    return None, None
+
+
+def serving_notes(cfg: Config) -> list[str]:
+    """What the serve stage will do differently from the config, known before any training (the flow logs it
+    first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs."""
+    if not (cfg.serve.enabled and cfg.serve.adapters and cfg.base_model):
+        return []
+    from glm_lora.model.hf import read_hf_config
+    from glm_lora.serve.deploy import CPU_MOE_LORA
+    from glm_lora.serve.vllm_server import vllm_device
+    if read_hf_config(cfg.base_model).layout.moe and vllm_device() == "cpu":
+        return [f"serve.adapters: the SFT and DPO adapters will not be served as LoRAs: {CPU_MOE_LORA} "
+                f"(as `{cfg.run_name}`)"]
+    return []
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
+    """The serve stage (tasks/table.py)."""
+    return serve(cfg, inputs["export"], out_dir, harness_dir=inputs.get("harness"))
+
+
+def harness_metrics(harness_dir: Path | None, export_dir: Path) -> dict:
+    """The harness stage's metrics (engine/harness.py) if it scored this very export (its inputs name the export's
+    digest), else {}: the gate then finds no harness score."""
+    if harness_dir is None or not is_complete(harness_dir):
+        return {}
+    manifest, digest = read_manifest(harness_dir), read_manifest(export_dir)["digest"]
+    return manifest["metrics"] if any(i["digest"] == digest for i in manifest.get("inputs", [])) else {}
+
+
+def serve(cfg: Config, export_dir: Path, out_dir: Path, allow_regression: bool = False,
+          harness_dir: Path | None = None) -> dict:
+    key, key_source = api_key(cfg.serve)   # before anything is started, stopped or read
+    result = promote(cfg, export_dir, key=key, key_source=key_source, switch=cfg.serve.keep_running,
+                     allow_regression=allow_regression, out_dir=out_dir,
+                     harness=harness_metrics(harness_dir, export_dir))
+    summary = {k: result[k] for k in ("pid", "url", "model", "running", "restarted", "export", "served_from",
+                                      "digest", "api_key_from", "record")}
+    summary["models"] = list(result["models"])
+    (Path(out_dir) / RECORD).write_text(json.dumps(summary, indent=2))
+    (Path(out_dir) / "answer.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    return result
+
+
+def promote_export(cfg: Config, export_dir: Path, allow_regression: bool = False) -> dict:
+    """Promote any verified export (a run's export/, or a snapshot kept in serving/exports/) through the same
+    blue/green path: `python -m glm_lora.flows.cli serve promote` and the Prefect deployment `glm-lora-serve/serve`."""
+    key, key_source = api_key(cfg.serve)
+    harness_dir = cfg.stage_dir("harness") if cfg.eval.harness.tasks else None     # the run's scores, if of this export
+    return promote(cfg, Path(export_dir), key=key, key_source=key_source, allow_regression=allow_regression,
+                   harness=harness_metrics(harness_dir, Path(export_dir)))

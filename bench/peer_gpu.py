@@ -63,7 +63,8 @@ from glm_lora.configs.schema import LoRAConfig
 SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
        "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base",
-       "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base", "ours_flex_simpo", "ours_flex_orpo")
+       "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
+       "ours_flex_simpo", "ours_flex_orpo")
 T0 = time.perf_counter()
 
 

@@ -50,8 +50,8 @@ from glm_lora.kernels import lora_group, moe, qlora, reference
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex")
-_MODULES = {"rms_norm": "triton_rms_norm", "add_rms_norm": "triton_rms_norm", "apply_rope": "triton_rope", "swiglu": "triton_swiglu",
-            "swiglu_halves": "triton_swiglu",
+_MODULES = {"rms_norm": "triton_rms_norm", "add_rms_norm": "triton_rms_norm", "apply_rope": "triton_rope",
+            "swiglu": "triton_swiglu", "swiglu_halves": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4",
             "grouped_mm": "triton_grouped_mm", "grouped_lora_mm": "triton_grouped_mm"}

@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
 
 
 def _matmul_input_dtype(x: torch.Tensor, read_once: bool) -> torch.dtype | None:
-    """The dtype to write a norm's output `x` in: autocast's where one matrix product reads it (`read_once`), which
+    """The dtype to write the norm of `x` in: autocast's where one matrix product reads it (`read_once`), which
     would cast it to that anyway — the same numbers without an fp32 copy and a cast, and its one gradient arrives as
     before; None without autocast or with several readers (their gradients are summed in fp32, as transformers')."""
     dev = x.device.type

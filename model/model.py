@@ -327,6 +327,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
+    def reads_input_once(self, x) -> bool:
+        return False        # the router, the experts and the shared expert; the router scores in fp32, as transformers'
+
     def forward(self, x):
         B, T, C = x.shape
         flat = x.reshape(B * T, C)                                                 # (N, C)
@@ -352,9 +355,7 @@ class Block(nn.Module):
         h = self.self_attn(n, cos, sin, mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
             h = self.post_self_attn_layernorm(h)
-        # (a MoE's router scores in fp32, as transformers': its input stays unrounded)
-        once = not isinstance(self.mlp, MoE) and self.mlp.reads_input_once(x)
-        x, n = self.post_attention_layernorm.add(x, h, _matmul_input_dtype(x, once))
+        x, n = self.post_attention_layernorm.add(x, h, _matmul_input_dtype(x, self.mlp.reads_input_once(x)))
         h = self.mlp(n)
         if hasattr(self, "post_mlp_layernorm"):
             h = self.post_mlp_layernorm(h)

@@ -5,6 +5,7 @@ Every check runs in a subprocess whose working directory is outside the checkout
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -50,8 +51,13 @@ def test_pip_install_then_glm_lora_run_from_an_unrelated_directory(tmp_path):
     site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # built from a copy: setuptools writes build/ and *.egg-info into the source tree, which must stay the checkout's
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", ".whl", "runs", "build", "*.egg-info",
+                                                              "__pycache__", ".prefect-home", ".build", "mlruns", "mlartifacts",
+                                                              "mlflow.db"))
     build = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            str(REPO)], capture_output=True, text=True, env=_clean_env(), cwd=tmp_path, timeout=600)
+                            str(src)], capture_output=True, text=True, env=_clean_env(), cwd=tmp_path, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     assert not list(site.glob("__editable__*")) and (site / "glm_lora" / "kernels" / "__init__.py").is_file()
     work = tmp_path / "elsewhere"

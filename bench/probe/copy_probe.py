@@ -1,9 +1,9 @@
-"""Which copy / cast / cat / add ops our 1B LoRA SFT step launches, and their GPU time (torch.profiler by op),
-then the same ops by input shape and by the model line that launched them (which tensors are copied, and where).
+"""Which copy / cast / cat / add ops our 1B LoRA SFT step launches, and their GPU time (torch.profiler by op), then
+the same ops by input shape (which tensors are copied), then the step's top kernels.
 
-    PYTHONPATH=. python bench/probe/copy_probe.py        (CUDA; used for bench/RESULTS.md "Sibling projections")
+    PYTHONPATH=. python bench/probe/copy_probe.py        (CUDA; bench/RESULTS.md "Sibling projections" and
+                                                          "Residual adds inside the RMSNorms")
 """
-import sys
 import torch
 from torch.profiler import profile, ProfilerActivity
 from glm_lora import kernels
@@ -37,7 +37,7 @@ def step():
 with kernels.using("auto", "flex"):
     for _ in range(3): step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as p:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
         step(); torch.cuda.synchronize()
 OPS = ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::add", "aten::add_")
 
@@ -50,6 +50,4 @@ def top(events, n, label):
 
 print("by op"); top(p.key_averages(), 25, lambda e: "")
 print("\nby input shape"); top(p.key_averages(group_by_input_shape=True), 30, lambda e: e.input_shapes)
-ours = lambda e: " < ".join(f for f in e.stack if "glm_lora" in f or "/model/" in f or "/kernels/" in f)[:300]
-print("\nby our frames"); top(p.key_averages(group_by_stack_n=12), 30, ours)
 print("\nall kernels, top 40"); print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))

@@ -6,8 +6,8 @@ written in bf16 and its one gradient arrives as the cast's would have."""
 import pytest
 import torch
 
+from bench.workloads import norms_fused
 from glm_lora import kernels
-from glm_lora.model import model as model_module
 from tests.kernels.test_lora_group import tiny_model
 
 
@@ -30,12 +30,8 @@ def test_fused_residual_norms_give_the_same_bits(layout, stack, monkeypatch):
     with kernels.using("auto"):
         fused = _step(model, ids)
 
-    def add_then_norm(x, residual, weight, eps, out_dtype=None):
-        s = x + residual
-        return s, kernels.rms_norm(s, weight, eps, out_dtype)
-    monkeypatch.setattr(kernels, "add_rms_norm", add_then_norm)
-    monkeypatch.setattr(model_module, "_matmul_input_dtype", lambda x, read_once: None)
-    with kernels.using("auto"):
+    monkeypatch.setattr(kernels, "add_rms_norm", fused_norm)
+    with kernels.using("auto"), norms_fused(False):
         plain = _step(model, ids)
 
     # every block's two norms but the first take the add; the final norm reads the last branch in fp32

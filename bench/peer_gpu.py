@@ -18,6 +18,8 @@ bf16 autocast, fused AdamW):
                           N × mean sample length ≈ the packed rows' real tokens per step; on OOM N/2, N/4
   DPO  ours_flex, ours_sdpa   engine.losses.PreferenceLoss (DPO) on packed rows (pairs kept in one row)
        ours_flex_simpo / _orpo  the same rows with dpo.loss simpo / orpo: no reference forward
+       ours_*_shared      the same pairs packed with each prompt placed once (dpo.share_prompt, data/packing.py):
+                          more pairs fit the 8 × 2048 rows, so DPO is compared in pairs/s (`pairs_per_s_vs_a`)
        hf_liger_packed    anchor (a): the same packed rows through HF + PEFT + Liger, LigerFusedLinearDPOLoss
                           on the answer positions, reference = adapter off
        hf_peft_naive      anchor (b): bench.e2e_dpo_gpu's naive DPO, N pairs per step (N = the packed
@@ -64,13 +66,13 @@ SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "ou
        "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base",
        "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
-       "ours_flex_simpo", "ours_flex_orpo")
+       "ours_flex_simpo", "ours_flex_orpo", "ours_flex_shared", "ours_sdpa_shared")
 T0 = time.perf_counter()
 
 
-def packed_batches(src, n: int, seq_len: int, group_size: int = 1) -> list[dict]:
+def packed_batches(src, n: int, seq_len: int, group_size: int = 1, share_prefix: bool = False) -> list[dict]:
     stream = PackedBatches(src, iter(EpochSampler(len(src) // group_size, seed=0)), rows=8, seq_len=seq_len,
-                           group_size=group_size)
+                           group_size=group_size, share_prefix=share_prefix)
     return [next(stream) for _ in range(n)]
 
 
@@ -242,20 +244,30 @@ def dpo(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
             batches = [anchors.add_answer_index(b) for b in packed[:n_batches]]
             res = timed_steps(train_step(anchors.liger_dpo_loss(model, BETA), opt, device), batches, device,
                               args.steps, max_warmup=args.max_warmup)
-            return {**res, "pairs_per_step": pairs, "hf_mask": anchors.HF_MASK["mode"]}
+            return {**res, **pair_rates(res, batches), "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device, name)
     opt = build_optimizer(model, 5e-6, 0.0, fused=device.type == "cuda")
     kind = name.rsplit("_", 1)[1] if name.endswith(("_simpo", "_orpo")) else "dpo"   # reference-free: one forward
     loss = PreferenceLoss(beta=BETA, nll_weight=0.0, kind=kind)
     step = train_step(lambda b: loss(model, b)[0], opt, device)
+    if name.endswith("_shared"):
+        packed = packed_batches(src, n_batches + 3, seq_len, group_size=2, share_prefix=True)
     with our_kernels(name):
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
-        res["pairs_per_step"] = pairs
+        res.update(pair_rates(res, packed[:n_batches]))
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=True) / 1e12
         res["model_tflop_per_s"] = res["model_tflops_per_step"] / (res["step_ms_mean"] / 1000)
         if args.profile and name == "ours_flex" and size in ("1b", "smoke") and out is not None:
             res["profile"] = profile(step, packed[n_batches:n_batches + 3], device, out / f"profile_dpo_{size}.txt")
     return res
+
+
+def pair_rates(res: dict, batches: list[dict]) -> dict:
+    """Pairs per step and per second over the steps `timed_steps` measured (those after its warm-up)."""
+    measured = batches[res["warmup_steps"]:res["warmup_steps"] + res["steps"]]
+    per_step = float(np.mean([len(b["group_docs"]) for b in measured]))
+    return {"pairs_per_step": per_step, "pairs_per_s": per_step / (res["step_ms_mean"] / 1000),
+            "p50_step_pairs_per_s": per_step / (res["step_ms_p50"] / 1000)}
 
 
 MICRO_SHAPES = ((12, 12, 64), (16, 8, 128), (6, 6, 128), (32, 8, 64))   # (heads, kv heads, head_dim): 125M, 1B,
@@ -327,6 +339,11 @@ def compare(rows: dict) -> dict:
             out[f"target_{key}_met"] = out[f"tokens_per_s_vs_{key}"] >= 1.6 and out.get(f"peak_mem_vs_{key}", 9) <= 0.8
     if "tokens_per_s_vs_b" in out:
         out["target_b_met"] = out["tokens_per_s_vs_b"] >= 8
+    a = rows.get("hf_liger_packed", {})
+    for p in ("ours_flex", "ours_sdpa", "ours_flex_shared", "ours_sdpa_shared"):    # DPO: the same pairs, per second
+        if "pairs_per_s" in rows.get(p, {}) and "pairs_per_s" in a:
+            out[f"{p}_pairs_per_s_vs_a"] = rows[p]["pairs_per_s"] / a["pairs_per_s"]
+            out[f"{p}_p50_step_pairs_per_s_vs_a"] = rows[p]["p50_step_pairs_per_s"] / a["p50_step_pairs_per_s"]
     if "real_tokens_per_s" in rows.get("ours_sdpa", {}) and "real_tokens_per_s" in rows.get("ours_flex", {}):
         out["flex_vs_sdpa_tokens_per_s"] = rows["ours_flex"]["real_tokens_per_s"] / rows["ours_sdpa"]["real_tokens_per_s"]
     return out

@@ -231,6 +231,9 @@ class DPOConfig(TrainConfig):
     orpo_lambda: float = Field(0.1, gt=0)  # ORPO's λ: weight of the odds-ratio term beside the chosen NLL
     kto_desirable_weight: float = Field(1.0, gt=0)     # KTO's λ_D and λ_U: weigh them so that λ_D·n_D ≈ λ_U·n_U
     kto_undesirable_weight: float = Field(1.0, gt=0)   # (to 4/3 of it, the paper says)
+    # Packed rows place a pair's common prompt once, both answers attending to it: the same log-probs from fewer
+    # tokens, so more pairs fit a batch's rows (data/packing.py). Off: each answer repeats its prompt.
+    share_prompt: bool = True
 
     @model_validator(mode="after")
     def _reference_stays_frozen(self):

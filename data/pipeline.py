@@ -94,7 +94,8 @@ class StageData:
             elif saved:
                 _continue_elsewhere(order, saved, len((data_state.get("packer") or {}).get("buffer", [])))
             if tc.packing:
-                batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+                batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group,
+                                        share_prefix=shares_prompt(tc, group))
                 if exact and data_state.get("packer"):
                     batches.load_state_dict(data_state["packer"])
             else:
@@ -105,6 +106,11 @@ class StageData:
         log.info("%s: %d examples, %d tokens (%s); clean: %s", kind, len(store) // group, int(store.lengths().sum()),
                  "packed" if tc.packing else "padded", clean)
         return make_batches, {"examples": len(store) // group, "clean": clean}
+
+
+def shares_prompt(tc: TrainConfig, group_size: int) -> bool:
+    """Whether packed groups place their common prompt once: `dpo.share_prompt` (only that stage has groups)."""
+    return group_size > 1 and getattr(tc, "share_prompt", False)
 
 
 def _continue_elsewhere(order: EpochSampler, saved: dict, buffered: int) -> None:

@@ -16,7 +16,7 @@ from glm_lora.configs.schema import Config, TrainConfig
 from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.packing import PackedBatches
-from glm_lora.data.pipeline import StageData
+from glm_lora.data.pipeline import StageData, shares_prompt
 from glm_lora.data.prepare import split_path, split_provenance
 from glm_lora.engine import evaluate
 from glm_lora.engine.trainer import Runtime, to_device
@@ -41,7 +41,8 @@ def validation_loss(data: StageData, kind: str, tc: TrainConfig, loss_fn, model,
     d = rt.dist
 
     def packed(rows) -> PackedBatches:
-        return PackedBatches(store, iter(rows), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group)
+        return PackedBatches(store, iter(rows), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group,
+                             share_prefix=shares_prompt(tc, group))
 
     @torch.no_grad()
     def validate() -> float:

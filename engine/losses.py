@@ -16,7 +16,8 @@ from glm_lora.model.lora import lora_disabled
 def _shifted(model, batch):
     """Hidden states at positions 0..T-2 and the labels they predict (tokens 1..T-1)."""
     doc_ids = batch["doc_ids"] if batch.get("packed") else None     # padded rows: plain causal attention
-    hidden = model.hidden_states(batch["input_ids"], batch.get("position_ids"), doc_ids)
+    hidden = model.hidden_states(batch["input_ids"], batch.get("position_ids"), doc_ids,
+                                 prefix_docs=batch.get("prefix_docs"))
     return hidden[:, :-1], batch["labels"][:, 1:]                    # (B, T-1, C), (B, T-1)
 
 

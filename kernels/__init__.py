@@ -228,28 +228,29 @@ class AutoDocumentMask:
     """Attention "auto" on CUDA: the packed rows' document mask, built on first use in the form
     `flex_pays` picks for that attention's shape (q: B, H, T, D), then shared by every layer of the forward."""
 
-    def __init__(self, doc_ids: torch.Tensor):
-        self.doc_ids, self.mask = doc_ids, None
+    def __init__(self, doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None = None):
+        self.doc_ids, self.prefix_docs, self.mask = doc_ids, prefix_docs, None
 
     def resolve(self, q: torch.Tensor):
         if self.mask is None:
             if flex_pays(q.shape[1], q.shape[-1]):
                 from glm_lora.kernels import flex
-                self.mask = flex.document_block_mask(self.doc_ids)
+                self.mask = flex.document_block_mask(self.doc_ids, self.prefix_docs)
             else:
-                self.mask = reference.document_causal_mask(self.doc_ids)
+                self.mask = reference.document_causal_mask(self.doc_ids, self.prefix_docs)
         return self.mask
 
 
-def document_causal_mask(doc_ids: torch.Tensor):
+def document_causal_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None = None):
     """A mask object for `attention`: a dense bool mask ("sdpa", or anything on CPU), a FlexAttention
-    BlockMask ("flex" on CUDA), or an AutoDocumentMask ("auto" on CUDA) that becomes one of the two."""
+    BlockMask ("flex" on CUDA), or an AutoDocumentMask ("auto" on CUDA) that becomes one of the two.
+    `prefix_docs` (data.packing's shared prompts): each token also sees the whole document it names."""
     if not doc_ids.is_cuda or _ATTENTION == "sdpa":
-        return reference.document_causal_mask(doc_ids)
+        return reference.document_causal_mask(doc_ids, prefix_docs)
     if _ATTENTION == "flex":
         from glm_lora.kernels import flex
-        return flex.document_block_mask(doc_ids)
-    return AutoDocumentMask(doc_ids)
+        return flex.document_block_mask(doc_ids, prefix_docs)
+    return AutoDocumentMask(doc_ids, prefix_docs)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:

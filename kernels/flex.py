@@ -10,12 +10,16 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+def document_block_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None = None) -> BlockMask:
     B, T = doc_ids.shape
 
     def same_doc_causal(b, h, q, kv):
         return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
-    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device, _compile=True)
+
+    def or_shared_prompt(b, h, q, kv):
+        return same_doc_causal(b, h, q, kv) | (prefix_docs[b, q] == doc_ids[b, kv])
+    mask_mod = same_doc_causal if prefix_docs is None else or_shared_prompt
+    return create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, _compile=True)
 
 
 @functools.cache

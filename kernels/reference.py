@@ -62,14 +62,18 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return rope(q), rope(k)
 
 
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids → (B, 1, T, T) bool mask: attend to earlier tokens of the same document.
+def document_causal_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) document ids → (B, 1, T, T) bool mask: attend to earlier tokens of the same document, and
+    to every token of the document `prefix_docs` names (a shared prompt placed before it; -1: none).
 
     Padding (id 0) attends to earlier padding only, so no row of the mask is empty (no NaNs).
     """
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+    mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+    if prefix_docs is not None:
+        mask |= prefix_docs[:, :, None] == doc_ids[:, None, :]
+    return mask[:, None]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

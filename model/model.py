@@ -395,11 +395,13 @@ class Decoder(nn.Module):
             nn.init.normal_(m.down_proj, mean=0.0, std=0.02)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                      prefix_docs: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, C); the loss heads apply lm_head themselves (fusable).
 
-        With `doc_ids` (packed rows), attention stays inside each document. With a `cache` (decoding,
-        no doc_ids) the tokens at `position_ids` attend to the cached positions too (see KVCache).
+        With `doc_ids` (packed rows), attention stays inside each document, and with `prefix_docs` also
+        reaches the shared prompt each token names (data.packing). With a `cache` (decoding, no doc_ids)
+        the tokens at `position_ids` attend to the cached positions too (see KVCache).
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -407,7 +409,7 @@ class Decoder(nn.Module):
         cfg = self.config
         cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
                                         interleaved=cfg.layout.rope_interleaved)   # (B, T, rotary_dim)
-        mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids)
+        mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs)
         if cache is not None:
             mask = cache.start(position_ids)
         x, h = self.model.embed_tokens(input_ids), None                           # (B, T, C); h: see Block

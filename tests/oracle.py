@@ -33,7 +33,7 @@ class Oracle(nn.Module):
 
         return self
 
-    def hidden_states(self, input_ids, position_ids=None, doc_ids=None, cache=None):
+    def hidden_states(self, input_ids, position_ids=None, doc_ids=None, cache=None, prefix_docs=None):
         B, T = input_ids.shape
         out = torch.zeros(B, T, self.vocab)
         if cache is not None:       # decoding (model.KVCache): the oracle keeps each row's tokens so far instead

@@ -24,7 +24,7 @@ def _doc_ids():
 def test_auto_mask_is_built_once_in_the_form_the_rule_picks(monkeypatch):
     from glm_lora.kernels import flex
     built = []
-    monkeypatch.setattr(flex, "document_block_mask", lambda d: built.append(d) or "block-mask")
+    monkeypatch.setattr(flex, "document_block_mask", lambda d, prefix=None: built.append(d) or "block-mask")
     narrow = kernels.AutoDocumentMask(_doc_ids())
     q = torch.zeros(2, 12, 6, 64)                                        # (B, H, T, D): 768 wide
     dense = narrow.resolve(q)

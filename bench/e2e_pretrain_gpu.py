@@ -10,8 +10,9 @@ Providers, all on the same token batches:
   ours_fused_nostack    the same with q/k/v and gate/up one GEMM each (before 2026-12-04)
   ours_fused_unfusednorm  the same with the residual adds as their own ops and the norms in fp32 (before
                         2026-12-04 pm; bench.workloads.norms_fused)
-  ours_fused_compiled   kernels "auto" + torch.compile(model.hidden_states) (the blocks; the loss head
-                        stays eager: its label filter is data-dependent); a compile error is recorded
+  ours_fused_compiled   kernels "auto" + torch.compile(model.hidden_states) (the blocks, where "auto" takes the torch
+                        reference ops for inductor to fuse; the loss head stays our fused Triton op, eager: its
+                        label filter is data-dependent); a compile error is recorded
 MFU = tokens/s × (6·N_nonembedding + 12·L·h·seq) / 790e12, N_nonembedding without embed_tokens and
 lm_head, 790 TFLOP/s = measured bf16 dense peak of the H200. `mfu_incl_lm_head` adds 6·h·V per token.
 
@@ -48,7 +49,7 @@ def random_batches(n: int, rows: int, seq_len: int, vocab: int) -> list[dict]:
     for _ in range(n):
         ids = torch.randint(3, vocab, (rows, seq_len), generator=g)
         out.append({"input_ids": ids, "labels": ids, "packed": False, "num_tokens": rows * seq_len,
-                    "capacity": rows * seq_len})
+                    "capacity": rows * seq_len, "target_positions": torch.arange(rows * (seq_len - 1))})
     return out
 
 

@@ -10,6 +10,8 @@ bf16 autocast, fused AdamW):
                           one stacked op per input (kernels.lora_linear_group; DPO's reference pass: stacked_linear)
        ours_*_unfusednorm the same with each residual add its own op and the norms written in fp32, cast by
                           autocast at each product (before 2026-12-04 pm; bench.workloads.norms_fused)
+       ours_*_compiled    the same with model.hidden_states under torch.compile (as engine/compile.py compiles
+                          it; inside it kernels "auto" takes the torch reference ops, fused by inductor)
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -63,7 +65,7 @@ from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
-       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
+       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base",
        "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
        "ours_flex_simpo", "ours_flex_orpo", "ours_flex_shared", "ours_sdpa_shared")
@@ -188,6 +190,8 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
                               args.steps, max_warmup=args.max_warmup)
             return {**res, "packing_check": check, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device, name)
+    if name.endswith("_compiled"):
+        model.hidden_states = torch.compile(model.hidden_states, dynamic=False)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
     step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
     with our_kernels(name):

@@ -88,8 +88,14 @@ def _triton_op(name: str):
 
 
 def _impl(name: str, t: torch.Tensor, fused_pays: bool = True):
-    """`fused_pays`: False where "auto" measured the reference faster for these inputs (see above)."""
-    if _BACKEND == "triton" or (_BACKEND == "auto" and t.is_cuda and fused_pays):
+    """`fused_pays`: False where "auto" measured the reference faster for these inputs (see above).
+
+    Inside a torch.compile'd region "auto" takes the reference: inductor fuses its elementwise ops into the graph,
+    where each of our Triton calls would break it (one graph per op, launched from Python). The 125M pretraining
+    step: 37.5 ms compiled this way against 46.3 ms compiled around our ops and 47–48 ms eager fused (H200,
+    bench/RESULTS.md "Compiled blocks on the GPU")."""
+    if _BACKEND == "triton" or (_BACKEND == "auto" and t.is_cuda and fused_pays
+                                and not torch.compiler.is_compiling()):
         return _triton_op(name)
     return getattr(reference, name)
 

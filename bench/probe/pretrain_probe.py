@@ -1,0 +1,80 @@
+"""Where the 125M pretraining step's time goes (bench.e2e_pretrain_gpu's ours_fused step: 8 × 2048 random tokens,
+every weight trained, bf16 autocast, fused AdamW): GPU busy time vs wall time per step (launch-bound or not), the
+top kernels, and time by kind.
+
+    PYTHONPATH=. python bench/probe/pretrain_probe.py [--size 125m] [--compile]
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.e2e_pretrain_gpu import random_batches
+from bench.peer_gpu import KINDS
+from bench.workloads import decoder_config, our_model, train_step
+from glm_lora import kernels
+from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.engine.optim import build_optimizer
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--size", default="125m")
+ap.add_argument("--compile", action="store_true", help="torch.compile(model.hidden_states), as ours_fused_compiled")
+ap.add_argument("--cudagraphs", action="store_true", help="with --compile: mode reduce-overhead (CUDA graphs)")
+ap.add_argument("--inner-reference", action="store_true",
+                help="with --compile: the blocks' ops as the torch reference (inductor fuses them), the loss head fused")
+ap.add_argument("--no-targets", action="store_true", help="batches without target_positions (the loss finds them: "
+                                                          "a host sync per step)")
+args = ap.parse_args()
+dev = torch.device("cuda")
+cfg = decoder_config(args.size, 32000, 2048)
+model = our_model(cfg, dev)
+if args.compile:
+    compiled = torch.compile(model.hidden_states, mode="reduce-overhead" if args.cudagraphs else None)
+
+    def hidden_states(*a, **k):
+        with kernels.using("reference" if args.inner_reference else "auto"):
+            return compiled(*a, **k)
+    model.hidden_states = hidden_states
+opt = build_optimizer(model, 3e-4, 0.1, fused=True)
+inner = train_step(lambda b: causal_lm_loss(model, b)[0], opt, dev)
+
+
+def step(b):
+    if args.cudagraphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    inner(b)
+
+
+batches = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+           for b in random_batches(12, 8, 2048, 32000)]
+if args.no_targets:
+    for b in batches:
+        del b["target_positions"]
+with kernels.using("auto"):
+    for b in batches[:6]:
+        step(b)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for b in batches[6:9]:
+        step(b)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in batches[9:12]:
+            step(b)
+        torch.cuda.synchronize()
+events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+gpu = sum(e.device_time_total for e in events) / 3 / 1000
+launches = sum(e.count for e in events) / 3
+print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.cudagraphs else ''}"
+      f"{' inner reference' if args.inner_reference else ''}"
+      f"{' no target_positions' if args.no_targets else ''}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
+      f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step")
+by_kind: dict = {}
+for e in events:
+    kind = next((k for k, keys in KINDS if any(s in e.key.lower() for s in keys)), "other")
+    by_kind[kind] = by_kind.get(kind, 0) + e.device_time_total / 3 / 1000
+print("by kind (ms/step):", {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
+for e in sorted(events, key=lambda e: -e.device_time_total)[:25]:
+    print(f"  {e.device_time_total / 3 / 1000:7.2f} ms  x{e.count // 3:4d}  {e.key[:110]}")

@@ -8,6 +8,7 @@ Backends (config key `kernels`):
   triton     every fused Triton op (tests use it on CPU under TRITON_INTERPRET=1)
 
 Exceptions "auto" makes, from those measurements (H200, bf16, 16k tokens):
+  compiled     inside a torch.compile'd region every op takes the reference, for inductor to fuse (see `_impl`)
   rms_norm     with a trainable weight and rows < 1024 wide the Triton backward's dweight reduction
                lost to eager (1.29×); frozen weights (LoRA) or wide rows: Triton wins (0.39–0.48×)
   lora_linear  with dropout the Triton RNG kernel lost to torch dropout + cuBLAS (1.9× slower); the

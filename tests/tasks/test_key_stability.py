@@ -14,7 +14,8 @@ from glm_lora.tasks.table import STAGES
 GOLDEN = json.loads((Path(__file__).parent / "data" / "key_parts_deefde7.json").read_text())
 ADDED = {"router_aux_loss",        # TrainConfig (every training section), for MoE router health (issue 25)
          "loss", "simpo_gamma", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight",   # dpo.loss (26)
-         "harness"}                # serve.gate.harness (27; eval.harness is the harness stage's, not in export's key)
+         "harness",                # serve.gate.harness (27; eval.harness is the harness stage's, not in export's key)
+         "share_prompt"}           # dpo.share_prompt (28: a pair's prompt placed once; changes dpo's batches)
 
 
 def _without_added(node):

@@ -82,8 +82,10 @@ def _by_pair(batch, values):
     out = {}
     for g, (chosen, _) in enumerate(batch["group_docs"].tolist()):
         cols = batch["doc_ids"] == chosen
-        prompt = batch["doc_ids"] == int(batch["prefix_docs"][cols][0]) if "prefix_docs" in batch else cols & False
-        out[tuple(batch["input_ids"][prompt].tolist() + batch["input_ids"][cols].tolist())] = values[g]
+        prompt = []
+        if "prefix_docs" in batch:      # the shared prompt's tokens, then the answer's
+            prompt = batch["input_ids"][batch["doc_ids"] == int(batch["prefix_docs"][cols][0])].tolist()
+        out[tuple(prompt + batch["input_ids"][cols].tolist())] = values[g]
     return out
 
 

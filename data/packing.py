@@ -52,12 +52,13 @@ def shared_prefix(docs: list[tuple[np.ndarray, np.ndarray]]) -> int:
 
 
 def place(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, group_size: int,
-          packed: bool = True, share_prefix: bool = False) -> dict[str, torch.Tensor]:
+          packed: bool = True, shared: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Lay out rows of documents into tensors; `rows[r]` lists (ids, labels) in order, `group_size` per group.
 
     `packed=False` (one document per row, padding at the end) tells the model that plain causal
-    attention suffices; doc_ids still drive the per-document sums of the DPO loss. `share_prefix`: each
-    group's `shared_prefix` tokens are placed once, as a document of their own without labels.
+    attention suffices; doc_ids still drive the per-document sums of the DPO loss. `shared`: each group's
+    `shared_prefix` length, in placing order; those tokens are placed once, as a document of their own
+    without labels (None: nothing shared, and no `prefix_docs`).
     """
     n_rows = len(rows)
     input_ids = np.zeros((n_rows, seq_len), dtype=np.int64)
@@ -66,11 +67,12 @@ def place(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, group_s
     doc_ids = np.zeros((n_rows, seq_len), dtype=np.int64)
     prefix_docs = np.full((n_rows, seq_len), -1, dtype=np.int64)
     doc, real, groups = 0, 0, []
+    starts = iter(shared or ())
     for r, docs in enumerate(rows):
         col = 0
         for g in range(0, len(docs), group_size):
             group = docs[g:g + group_size]
-            start, prompt = (shared_prefix(group), doc + 1) if share_prefix else (0, -1)
+            start, prompt = next(starts, 0), doc + 1
             if start:
                 doc += 1
                 input_ids[r, col:col + start] = group[0][0][:start]
@@ -94,13 +96,13 @@ def place(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, group_s
     # Flat indices of the (rows, seq_len - 1) next-token targets that are labelled: the loss runs the
     # lm_head on those rows only, without a device→host sync to find them.
     targets = np.flatnonzero(labels[:, 1:] != IGNORE)
-    shared = {"prefix_docs": torch.from_numpy(prefix_docs)} if share_prefix else {}
+    prefixes = {} if shared is None else {"prefix_docs": torch.from_numpy(prefix_docs)}
     return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
             "target_positions": torch.from_numpy(targets),
             "position_ids": torch.from_numpy(position_ids), "doc_ids": torch.from_numpy(doc_ids),
             "num_tokens": real, "capacity": n_rows * seq_len,
             "group_docs": torch.tensor(groups, dtype=torch.long).view(-1, group_size),
-            "packed": packed, **shared}
+            "packed": packed, **prefixes}
 
 
 class PackedBatches:
@@ -131,6 +133,10 @@ class PackedBatches:
     def _admit(self, g: int) -> None:
         if self.share_prefix:
             self.group_len[g] = self.full_len[g] - (self.group_size - 1) * shared_prefix(self._docs(g))
+
+    def _shared(self, g: int) -> int:
+        """A buffered group's shared-prefix length, as `_admit` found it."""
+        return int(self.full_len[g] - self.group_len[g]) // (self.group_size - 1)
 
     def _fill(self) -> None:
         while len(self.buffer) < self.lookahead:
@@ -173,7 +179,8 @@ class PackedBatches:
             raise StopIteration
         # Taken here, in the producer: with prefetching the consumer is behind the sampler, so a
         # checkpoint must store the state that came with the last batch it trained on.
-        return {**place(rows, self.seq_len, self.group_size, share_prefix=self.share_prefix),
+        shared = [self._shared(g) for g in placed] if self.share_prefix else None
+        return {**place(rows, self.seq_len, self.group_size, shared=shared),
                 **_group_labels(self.source, placed),
                 "data_state": self.data_state()}
 

@@ -12,7 +12,7 @@ from glm_lora.flows.cli import run_one_stage
 pytestmark = pytest.mark.slow
 
 # Measured on the default (README): stated here, checked below.
-# The same seed lands differently from run to run on the CPU (bf16 rounding through 4500 steps: the fresh-clone
+# The same seed lands differently from run to run on the CPU (bf16 rounding through 4000 steps: the fresh-clone
 # flow and this test, both seed 0, gave SFT exact match 0.92 and 0.96), so the floors sit just below the
 # lowest of the 9-seed GPU sweep and of the CPU runs, not at their medians.
 FLOORS = {

@@ -16,6 +16,16 @@ ADDED = {"router_aux_loss",        # TrainConfig (every training section), for M
          "loss", "simpo_gamma", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight",   # dpo.loss (26)
          "harness",                # serve.gate.harness (27; eval.harness is the harness stage's, not in export's key)
          "share_prompt"}           # dpo.share_prompt (28: a pair's prompt placed once; changes dpo's batches)
+# Values of a preset changed on purpose since deefde7 (they change the key of the stages whose sections hold them):
+RETUNED = {"tiny": {"sft": {"max_steps": 4000, "lr": 3e-3, "min_lr_ratio": 0.0}}}   # 28: 11% fewer SFT steps
+
+
+def _retuned(preset: str, expected: dict) -> dict:
+    config = dict(expected["config"])
+    for section, values in RETUNED.get(preset, {}).items():
+        if section in config:
+            config[section] = {**config[section], **values}
+    return {**expected, "config": config}
 
 
 def _without_added(node):
@@ -30,7 +40,8 @@ def test_config_sections_of_the_key_are_unchanged(case):
     preset, overrides = preset_overrides.split("{", 1)
     cfg = load_config(preset, json.loads("{" + overrides))
     parts = key_parts(stage, cfg, [], Path("/x"))
-    assert {"config": _without_added(parts["config"]), "user_files": parts["user_files"]} == GOLDEN[case]
+    got = {"config": _without_added(parts["config"]), "user_files": parts["user_files"]}
+    assert got == _retuned(preset, GOLDEN[case])
 
 
 NEW_STAGES = {"rl", "gguf", "harness"}   # stages added since deefde7 (GRPO, GGUF, lm-eval): no published key to keep

@@ -124,7 +124,8 @@ class PackedBatches:
         too_long = int((self.full_len > seq_len).sum())
         if too_long:
             raise ValueError(f"{too_long} examples are longer than seq_len {seq_len}; truncate or drop them first")
-        self.group_len = self.full_len.copy()   # what a buffered group takes in a row
+        self.shared_len = np.zeros_like(self.full_len)   # a buffered group's prompt placed once (share_prefix)
+        self.group_len = self.full_len.copy()              # what a buffered group takes in a row
         self.buffer: list[int] = []
 
     def _docs(self, g: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -132,11 +133,8 @@ class PackedBatches:
 
     def _admit(self, g: int) -> None:
         if self.share_prefix:
-            self.group_len[g] = self.full_len[g] - (self.group_size - 1) * shared_prefix(self._docs(g))
-
-    def _shared(self, g: int) -> int:
-        """A buffered group's shared-prefix length, as `_admit` found it."""
-        return int(self.full_len[g] - self.group_len[g]) // (self.group_size - 1)
+            self.shared_len[g] = shared_prefix(self._docs(g))
+            self.group_len[g] = self.full_len[g] - (self.group_size - 1) * self.shared_len[g]
 
     def _fill(self) -> None:
         while len(self.buffer) < self.lookahead:
@@ -179,7 +177,7 @@ class PackedBatches:
             raise StopIteration
         # Taken here, in the producer: with prefetching the consumer is behind the sampler, so a
         # checkpoint must store the state that came with the last batch it trained on.
-        shared = [self._shared(g) for g in placed] if self.share_prefix else None
+        shared = self.shared_len[placed].tolist() if self.share_prefix else None
         return {**place(rows, self.seq_len, self.group_size, shared=shared),
                 **_group_labels(self.source, placed),
                 "data_state": self.data_state()}

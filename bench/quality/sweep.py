@@ -32,19 +32,7 @@ def run_job(job: dict, out: Path) -> None:
     for a in job.get("set", []):
         k, v = a.split("=", 1); ov[k] = parse_value(v)
     cfg = load_config("tiny", ov)
-    from glm_lora.data.synthetic import solve
-    from glm_lora.engine import evaluate
-
-    def with_fixed(metric_fn):      # a measurement hook: the stage's eval, plus the fixed prompts' answers
-        def wrapped(cfg, model, tok, data_dir):
-            m = metric_fn(cfg, model, tok, data_dir)
-            prompts = cfg.eval.compare_prompts
-            got = evaluate.greedy_answers(model, tok, [[{"role": "user", "content": p}] for p in prompts],
-                                          max_new_tokens=cfg.eval.max_new_tokens)
-            m["fixed"] = dict(zip(prompts, got))
-            m["fixed_right"] = sum(g.strip() == solve(p) for p, g in zip(prompts, got))
-            return m
-        return wrapped
+    from bench.quality.fixed_prompts import with_fixed
     sft.eval_tasks = with_fixed(sft.eval_tasks)
     dpo.eval_preferences = with_fixed(dpo.eval_preferences)
     kernels.using(cfg.kernels, cfg.attention).__enter__()     # this process runs one job: for its whole life

@@ -41,7 +41,7 @@ FLOORS = {
     "rl_weak_family_gain": 0.001,
     "rl_family_loss": 0.04,
 }
-RL_STEPS, RL_LR = 200, 2e-4
+RL_STEPS, RL_LR = 400, 2e-4
 # Exact-match figures are sums of per-family fractions in floating point: a figure equal to its floor (e.g. DPO
 # 0.905 against SFT 0.93 − 0.025, the 4000-step default's run of 2026-12-04 20:50) must pass, not hinge on rounding.
 ULP = 1e-9
@@ -93,7 +93,7 @@ def test_dpo_prefers_chosen_answers_on_held_out_pairs(metrics):
 def test_each_preference_loss_raises_held_out_preference_accuracy(default_run, tmp_path, loss, settings):
     """dpo.loss on the default's SFT model (the DPO stage's own input), 100 steps each (KTO: the training pairs
     unpaired, each answer with its label and a mismatched twin for the KL estimate; dpo itself is checked above at
-    its full 300 steps; ORPO in tests/test_dag.py): on the 200 held-out pairs the implicit reward
+    its full 150 steps; ORPO in tests/test_dag.py): on the 200 held-out pairs the implicit reward
     β·(log π − log π_sft) ranks chosen above rejected for most pairs (it is 0 at the start, where the adapter is the
     identity), and the likelihood ranking gets no worse beyond noise. On the short CI DAG's weak SFT model (180 steps
     in all) this check was noise-bound (0.53–0.65 from machine to machine), so it runs here, on the model users get."""

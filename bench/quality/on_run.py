@@ -1,0 +1,81 @@
+"""Experiments on a finished tiny run (RUN_DIR holds data/, tokenizer/, pretrain/, sft/ and, for grpo, dpo/), on this
+machine's CPU at one thread:
+
+    python -m bench.quality.on_run dpo RUN_DIR SEED OUT [KEY=VALUE ...]   # a DPO variant on a copy of the run in OUT
+    python -m bench.quality.on_run grpo RUN_DIR STEPS LR                  # tests/test_quality.py's GRPO measurement
+
+Each prints one JSON line: the DPO variant's stage metrics and its SFT and DPO models' exact match on fresh held-out
+prompts (bench.quality.cpu_sweep.fresh_eval); for GRPO, the four arithmetic families' exact match on fresh prompts
+before and after `STEPS` steps at `LR` (grpo_gain, which the quality test asserts on).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.quality.fresh import WEAK_FAMILIES, fresh_rows
+
+
+def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict, dict]:
+    """The RL stage (GRPO, exact-match reward) on the run's DPO model, `steps` steps on the four arithmetic families:
+    their exact match on fresh held-out prompts per family, before and after."""
+    from glm_lora.configs import load_config
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.engine import rl
+    from glm_lora.engine.evaluate import task_metrics
+    from glm_lora.model.adapters import load_policy
+
+    cfg = load_config("tiny", {"runs_dir": str(work / "runs"), "serve.enabled": False, "eval.enabled": False,
+                               "rl.max_steps": steps, "rl.families": WEAK_FAMILIES, "rl.max_new_tokens": 8,
+                               "rl.lr": lr})
+    inputs = {s: run_dir / s for s in ("sft", "dpo", "tokenizer", "data")} | {"base": run_dir / "pretrain"}
+    out = work / "rl"
+    out.mkdir()
+    rl.run(cfg, inputs, out)
+    tok, rows = load_tokenizer(run_dir / "tokenizer"), fresh_rows(run_dir, WEAK_FAMILIES, work)
+    adapters = [run_dir / "sft", run_dir / "dpo"]
+    before = task_metrics(load_policy(run_dir / "pretrain", *adapters).eval(), tok, rows)["per_family"]
+    after = task_metrics(load_policy(run_dir / "pretrain", *adapters, out).eval(), tok, rows)["per_family"]
+    return before, after
+
+
+def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict) -> dict:
+    """The DPO stage with `overrides` on a copy of the run's inputs (out/tiny/), seeds as the run's."""
+    from bench.quality.cpu_sweep import fresh_eval
+    from glm_lora.configs import load_config
+    from glm_lora.flows.cli import run_one_stage
+
+    shutil.rmtree(out, ignore_errors=True)
+    for stage in ("pretrain", "sft", "tokenizer", "data"):
+        shutil.copytree(run_dir / stage, out / "tiny" / stage)
+    cfg = load_config("tiny", {"runs_dir": str(out), "serve.enabled": False, "pretrain.seed": seed,
+                               "sft.seed": seed, "dpo.seed": seed, **overrides})
+    m = run_one_stage("dpo", cfg).manifest()["metrics"]
+    sft = json.loads((run_dir / "sft" / "manifest.json").read_text())["metrics"]["eval"]
+    return {"seed": seed, "set": overrides, "sft_exact_match": sft["exact_match"],
+            **{k: m["eval"][k] for k in ("exact_match", "implicit_reward_accuracy", "mean_margin")},
+            "best_step": m.get("best_step"), "fresh": fresh_eval(out / "tiny")}
+
+
+def main(argv: list[str]) -> None:
+    import torch
+    from glm_lora.configs import parse_value
+    torch.set_num_threads(1)
+    what, run_dir = argv[0], Path(argv[1])
+    if what == "dpo":
+        sets = {k: parse_value(v) for k, v in (a.split("=", 1) for a in argv[4:])}
+        print(json.dumps(dpo_variant(run_dir, int(argv[2]), Path(argv[3]), sets)))
+    elif what == "grpo":
+        before, after = grpo_gain(run_dir, Path(tempfile.mkdtemp()), steps=int(argv[2]), lr=float(argv[3]))
+        gain = sum(after.values()) / len(after) - sum(before.values()) / len(before)
+        print(json.dumps({"run": str(run_dir), "steps": int(argv[2]), "lr": float(argv[3]), "before": before,
+                          "after": after, "gain": gain, "worst": min(after[f] - before[f] for f in before)}))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -6,7 +6,7 @@ machines passes while a regression in learning (data, tokenizer, model, losses, 
 import pytest
 
 from glm_lora.configs import load_config
-from bench.quality.fresh import WEAK_FAMILIES
+from bench.quality.fresh import WEAK_FAMILIES, fresh_eval
 from bench.quality.on_run import grpo_gain
 from glm_lora.flows.cli import run_one_stage
 
@@ -29,8 +29,9 @@ FLOORS = {
     "sft_lowest_family": 0.65,              # the weakest family, add or sub (CPU runs 0.70, 0.70, 0.80; sweep 0.65–0.80)
     "sft_string_families": 0.95,            # copy/reverse, en + zh (measured 1.0)
     "dpo_implicit_reward_accuracy": 0.86,   # CPU runs 0.87, 0.92, 0.895; GPU sweep median 0.915 (0.875–0.95)
-    "dpo_exact_match_loss": 0.025,          # DPO may cost at most this much exact match (CPU runs +0.5, 0, −2.5 points;
-                                            # sweep −2.5…+1, mean −0.7; the 4500-step recipe −2…+2, mean +0.3)
+    "dpo_exact_match_loss": 0.025,          # DPO may cost at most this much exact match, on ~1,600 fresh prompts (the new
+                                            # default's seeds 0-2 −1.3 / −1.1 / −1.0 points; on the stages' 200 prompts: CPU
+                                            # runs of the even mix +0.5, 0, −2.5; GPU sweep −2.5…+1, mean −0.7)
     # dpo.loss ipo / simpo / kto, 100 steps on the default's SFT model, 200 held-out pairs (CPU, 2026-12-03: IPO 0.87,
     # SimPO 0.78, KTO 0.80 on an fp32-trained default; one s.e. ≈ 0.03); the likelihood ranking was 0.99 → 0.98–0.985
     # (one pair is 0.005). SimPO optimises a length-normalised likelihood margin, not this reference-relative reward:
@@ -87,11 +88,18 @@ def test_sft_answers_held_out_prompts(metrics):
     assert len(strings) == 4 and min(strings.values()) >= FLOORS["sft_string_families"], strings
 
 
-def test_dpo_prefers_chosen_answers_on_held_out_pairs(metrics):
+def test_dpo_prefers_chosen_answers_on_held_out_pairs(default_run, tmp_path):
+    """On the 200 held-out pairs DPO's implicit reward prefers the chosen answer; and DPO costs at most
+    dpo_exact_match_loss of the SFT model's exact match, measured on ~1,600 fresh held-out prompts: on the stage's own
+    200 (20 a family) the difference of the two models moved ±2 points with bf16 rounding alone (seed 0 of the default:
+    −1.5 points at one thread, −2.5 at two; fresh: −1.3 and −1.5), so that figure reached the floor by noise."""
+    cfg, metrics = default_run
     e = metrics["dpo"]["eval"]
     assert e["implicit_reward_accuracy"] >= FLOORS["dpo_implicit_reward_accuracy"], e
     assert e["mean_margin"] > 0, e
-    assert e["exact_match"] >= metrics["sft"]["eval"]["exact_match"] - FLOORS["dpo_exact_match_loss"] - ULP, e
+    fresh = fresh_eval(cfg.run_dir, tmp_path)
+    assert fresh["rows"] >= 1500, fresh["rows"]
+    assert fresh["dpo"]["exact_match"] >= fresh["sft"]["exact_match"] - FLOORS["dpo_exact_match_loss"] - ULP, fresh
 
 
 @pytest.mark.parametrize("loss, settings", [("ipo", {}), ("simpo", {"dpo.beta": 2.0, "dpo.nll_weight": 0.0}),

@@ -10,30 +10,13 @@ once under OUT/base_seed{N} and copied into each of its jobs, whose data stage i
 overrides: the SFT mix changes sft.jsonl only (every file has its own random stream), so pretraining is the same.
 Results: OUT/results.jsonl — SFT and DPO held-out metrics and each model's greedy answers to the fixed prompts
 (`eval.compare_prompts`, checked against data.synthetic.solve), as bench/quality/sweep.py writes them on the GPU,
-and each model's exact match per family on ~170 fresh held-out prompts a family (bench.quality.fresh: the stages'
-own 20 a family move in steps of 5 points). Each job's run directory stays under OUT/runs.
+and each model's exact match per family on ~160 fresh held-out prompts a family (bench.quality.fresh.fresh_eval;
+the stages' own 20 a family move in steps of 5 points). Each job's run directory stays under OUT/runs.
 
     python bench/quality/cpu_sweep.py --fresh RUN_DIR     # the fresh-prompt figures of a finished run
 """
 import argparse, fcntl, json, os, shutil, subprocess, sys, time
 from pathlib import Path
-
-
-def fresh_eval(run_dir: Path) -> dict:
-    """Exact match per family on fresh held-out prompts (those in the run's SFT file removed) of the SFT and DPO
-    models in `run_dir`."""
-    from bench.quality.fresh import ALL_FAMILIES, fresh_rows
-    from glm_lora.data.tokenizer import load_tokenizer
-    from glm_lora.engine.evaluate import task_metrics
-    from glm_lora.model.adapters import load_policy
-    tok, rows = load_tokenizer(run_dir / "tokenizer"), fresh_rows(run_dir, ALL_FAMILIES)
-    out = {"rows": len(rows)}
-    for stage, adapters in (("sft", ("sft",)), ("dpo", ("sft", "dpo"))):
-        if (run_dir / stage / "manifest.json").exists():
-            model = load_policy(run_dir / "pretrain", *(run_dir / a for a in adapters)).eval()
-            m = task_metrics(model, tok, rows)
-            out[stage] = {"exact_match": m["exact_match"], "per_family": m["per_family"]}
-    return out
 
 
 def run_job(job: dict, out: Path) -> None:
@@ -73,6 +56,7 @@ def run_job(job: dict, out: Path) -> None:
             res[stage]["val"] = m.get("val_losses")
         res[f"{stage}_s"] = round(time.time() - t)
         t = time.time()
+    from bench.quality.fresh import fresh_eval
     res["fresh"] = fresh_eval(cfg.run_dir)
     res["fresh_s"] = round(time.time() - t)
     with open(out / "results.jsonl", "a") as f:
@@ -90,6 +74,7 @@ def main():
     if a.fresh:
         import torch
         torch.set_num_threads(1)
+        from bench.quality.fresh import fresh_eval
         return print(json.dumps(fresh_eval(a.fresh)))
     jobs = json.loads(a.jobs.read_text())
     a.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Held-out prompts of the synthetic families drawn anew (seed 123, ~170 per family with n=2000), those in a run's SFT
 training file removed: enough rows that a few points of exact match are outside noise (sft_eval has 20 per family).
-Used by the GRPO quality test and the RL benches."""
+Used by the DPO and GRPO quality tests, the RL benches and the quality sweeps."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,22 @@ def fresh_rows(run_dir: Path, families: list[str], work_dir: Path | None = None,
     seen = {json.dumps(r["conversations"][:-1]) for r in read_task_rows(split_path(Path(run_dir) / "data", "sft"))}
     return [r for r in read_task_rows(files["sft_eval"])
             if r["task"] in families and json.dumps(r["conversations"][:-1]) not in seen]
+
+
+def fresh_eval(run_dir: Path, work_dir: Path | None = None) -> dict:
+    """Greedy exact match, overall (the mean of the families) and per family, of the SFT and the DPO model in
+    `run_dir` (whichever it holds) on fresh held-out prompts of every family: 8× the stages' own 200."""
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.engine.evaluate import task_metrics
+    from glm_lora.model.adapters import load_policy
+    run_dir = Path(run_dir)
+    tok, rows = load_tokenizer(run_dir / "tokenizer"), fresh_rows(run_dir, ALL_FAMILIES, work_dir)
+    out = {"rows": len(rows)}
+    for stage, adapters in (("sft", ("sft",)), ("dpo", ("sft", "dpo"))):
+        if (run_dir / stage / "manifest.json").exists():
+            m = task_metrics(load_policy(run_dir / "pretrain", *(run_dir / a for a in adapters)).eval(), tok, rows)
+            out[stage] = {"exact_match": m["exact_match"], "per_family": m["per_family"]}
+    return out
 
 
 def prompt_pool(run_dir: Path, families: list[str], out: Path, *, seed: int = 777, n: int = 60000) -> Path:

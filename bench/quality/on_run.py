@@ -5,7 +5,7 @@ machine's CPU at one thread:
     python -m bench.quality.on_run grpo RUN_DIR STEPS LR                  # tests/test_quality.py's GRPO measurement
 
 Each prints one JSON line: the DPO variant's stage metrics and its SFT and DPO models' exact match on fresh held-out
-prompts (bench.quality.cpu_sweep.fresh_eval); for GRPO, the four arithmetic families' exact match on fresh prompts
+prompts (bench.quality.fresh.fresh_eval); for GRPO, the four arithmetic families' exact match on fresh prompts
 before and after `STEPS` steps at `LR` (grpo_gain, which the quality test asserts on).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.quality.fresh import WEAK_FAMILIES, fresh_rows
+from bench.quality.fresh import WEAK_FAMILIES, fresh_eval, fresh_rows
 
 
 def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict, dict]:
@@ -44,7 +44,6 @@ def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict
 
 def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict) -> dict:
     """The DPO stage with `overrides` on a copy of the run's inputs (out/tiny/), seeds as the run's."""
-    from bench.quality.cpu_sweep import fresh_eval
     from glm_lora.configs import load_config
     from glm_lora.flows.cli import run_one_stage
 

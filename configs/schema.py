@@ -201,7 +201,8 @@ class TrainConfig(Section):
     # torch.compile the training forward/backward on the CPU (engine/compile.py): 1.34-1.52x the steps/s of the
     # tiny SFT step after a one-off ~24 s compile on 2 cores (cached under runs_dir/.cache/inductor); eager
     # with a warning where there is no C++ compiler, on CUDA and under torchrun. Same learning up to fp32 noise.
-    compile: bool = False
+    # "auto": compile only a stage of at least engine.compile.PAYBACK_STEPS steps (where a cold compile pays back).
+    compile: bool | Literal["auto"] = False
     # Validation loss on the stage's held-out split every eval_every steps (0 = off). When on, the
     # weights with the best validation loss (not the last) are what the stage saves.
     eval_every: int = Field(0, ge=0)

@@ -19,6 +19,10 @@ for inductor, a CUDA device (the fused Triton kernels are used there; compile of
 processes (DDP/FSDP2 wrap the model; not measured). If the compile itself fails on the first call, that
 call and the rest of the stage run eager.
 
+`compile: auto` compiles a stage of at least PAYBACK_STEPS steps and runs a shorter one eager: a cold compile
+(~24 s on two quiet cores, 60-90 s on a busy one) is won back by the faster steps after ~400-450 of them (the tiny
+SFT step at one or two threads; bench/RESULTS.md "Two cores"), so compiling a 10- or 120-step stage only adds time.
+
 The compiled artifacts go to `runs_dir/.cache/inductor` (TORCHINDUCTOR_CACHE_DIR, unless already set),
 beside the tokenised-data cache, so a re-run of the stage reuses them.
 """
@@ -59,6 +63,16 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
     return None
 
 
+PAYBACK_STEPS = 400
+
+
+def skip_reason(setting: bool | str, steps: int) -> str | None:
+    """Why `compile: auto` leaves a stage of `steps` steps eager (None: compile it; also for true and false)."""
+    if setting == "auto" and steps < PAYBACK_STEPS:
+        return f"{steps} steps, fewer than the {PAYBACK_STEPS} a cold compile takes to pay back (compile: auto)"
+    return None
+
+
 def cache_dir(runs_dir: Path) -> Path:
     """Where inductor keeps compiled artifacts: $TORCHINDUCTOR_CACHE_DIR if set, else runs_dir/.cache/inductor.
 
@@ -71,12 +85,19 @@ def cache_dir(runs_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def compiled_training(model: torch.nn.Module, enabled: bool, *, device: torch.device, dist=None,
-                      runs_dir: Path = Path("runs"), name: str = "train") -> Iterator[dict]:
+def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: torch.device, dist=None,
+                      runs_dir: Path = Path("runs"), name: str = "train", steps: int | None = None) -> Iterator[dict]:
     """Inside the block, `model.hidden_states` runs compiled while `model.training` (see the module doc).
+    `enabled`: the stage's `compile` setting (true, false or "auto" with the stage's `steps`).
     Yields a dict the stage can report: compile (bool: used), compile_s (the first compiled call: compile
-    plus one forward), compile_fallback (why eager, if it was asked for and not used)."""
+    plus one forward), compile_fallback (why eager, if it was asked for and not used), compile_skipped (why
+    `auto` chose eager)."""
     info: dict = {"compile": False}
+    skipped = skip_reason(enabled, steps if steps is not None else PAYBACK_STEPS)
+    if skipped:
+        log.info("%s.compile: running eager: %s", name, skipped)
+        info["compile_skipped"] = skipped
+        enabled = False
     cache = cache_dir(runs_dir) if enabled else None      # before anything of inductor's reads it
     why = unavailable(device, dist, model) if enabled else None
     if not enabled or why:

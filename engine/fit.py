@@ -90,7 +90,7 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
                              "loss": window.get("loss"), "tokens_per_s": window.get("tokens_per_s"),
                              "elapsed_s": window.get("elapsed_s")})
         with compiled_training(model, tc.compile, device=rt.device, dist=d, runs_dir=cfg.runs_dir,
-                               name=stage) as compiled:
+                               name=stage, steps=tc.max_steps) as compiled:
             summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
                             on_log=on_log if rt.main else None)
     losses = summary.pop("losses")

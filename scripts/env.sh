@@ -11,6 +11,9 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 # shadow other distributions' top-level packages (transformers and bitsandbytes import one named `kernels`); ours are
 # imported as glm_lora.<folder> from the installed package. (Benchmarks: `PYTHONSAFEPATH= python -m bench.<name>`.)
 export PYTHONSAFEPATH=1
+# The virtualenvs are installed without byte-compiling (scripts/setup.sh): each module is compiled at its first import
+# and its .pyc kept, so with PYTHONDONTWRITEBYTECODE set every process would compile torch, transformers, vLLM, ... again.
+unset PYTHONDONTWRITEBYTECODE
 export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore   # checkpoint writer thread logs outside the run context
 
 # The local Prefect server's auth string (README "Security"): generated once into $PREFECT_HOME/auth,

@@ -331,14 +331,14 @@ def test_a_stage_that_fails_mid_training_is_retried_by_prefect_and_resumes(dag, 
         return real_step(model, loss_fn, batches, opt, scaler, trainable, cfg, rt, step)
     monkeypatch.setattr(trainer, "train_step", flaky)
 
-    overrides = {**dag["overrides"], "run_name": "retry", "serve.enabled": False, "sft.max_steps": 12,
-                 "dpo.max_steps": 2, "checkpoint.save_every": 2, "checkpoint.save_optimizer_every": 2,
-                 "checkpoint.async_save": False}
+    overrides = {**dag["overrides"], "run_name": "retry", "serve.enabled": False, "pretrain.max_steps": 10,
+                 "sft.max_steps": 12, "dpo.max_steps": 2, "checkpoint.save_every": 2,
+                 "checkpoint.save_optimizer_every": 2, "checkpoint.async_save": False}
     result, states = _run(overrides)
     assert calls["failed"]
     assert states["sft"] == "Completed"
-    # pretrain 60 + sft: steps 0..6 and the failing call, then 6..11 (resumed at 6, not 0) + dpo 2
-    assert calls["n"] == 60 + 8 + 6 + 2
+    # pretrain 10 + sft: steps 0..6 and the failing call, then 6..11 (resumed at 6, not 0) + dpo 2
+    assert calls["n"] == 10 + 8 + 6 + 2
     losses = json.loads((Path(overrides["runs_dir"]) / "retry" / "sft" / "losses.json").read_text())
     assert len(losses) == 12
 

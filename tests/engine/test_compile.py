@@ -38,11 +38,11 @@ def packed(seed: int, B=3, T=16) -> dict:
     return {"input_ids": x, "labels": labels, "doc_ids": doc, "position_ids": pos, "packed": True}
 
 
-def run(model, steps: int, **ctx) -> tuple[list[float], dict]:
+def run(model, n: int, **ctx) -> tuple[list[float], dict]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     with compiled_training(model, device=CPU, **ctx) as info:
-        for i in range(steps):
+        for i in range(n):
             loss, _ = causal_lm_loss(model, packed(i % 4))
             loss.backward()
             opt.step()
@@ -110,3 +110,25 @@ def test_cuda_and_several_processes_stay_eager():
 
 def test_compile_is_off_by_default():
     assert TrainConfig().compile is False
+
+
+def test_auto_compiles_only_a_stage_long_enough_to_pay_the_compile_back(monkeypatch, caplog, tmp_path):
+    """`compile: auto`: below engine.compile.PAYBACK_STEPS steps the stage runs eager (a cold compile, ~24 s on two
+    cores, pays back after ~400 steps) and says why; at the threshold it compiles like `true`."""
+    assert ec.skip_reason("auto", ec.PAYBACK_STEPS - 1) and ec.skip_reason("auto", ec.PAYBACK_STEPS) is None
+    assert ec.skip_reason(True, 1) is None and ec.skip_reason(False, 1) is None
+    assert TrainConfig(compile="auto").compile == "auto" and TrainConfig(compile=True).compile is True
+    with pytest.raises(ValueError):
+        TrainConfig(compile="sometimes")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("a short auto stage must not compile"))
+    eager, _ = run(lora_model(), 3, enabled=False)
+    with caplog.at_level("INFO", logger="glm_lora.engine"):
+        losses, info = run(lora_model(), 3, enabled="auto", steps=12, runs_dir=tmp_path)
+    assert losses == eager
+    assert info["compile"] is False and "fewer than the 400" in info["compile_skipped"], info
+    assert "compile_fallback" not in info and "running eager: 12 steps" in caplog.text
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **k: compiled.append(fn) or fn)
+    monkeypatch.setattr(ec, "cxx_compiler", lambda: "g++")
+    _, info = run(lora_model(), 1, enabled="auto", steps=ec.PAYBACK_STEPS, runs_dir=tmp_path)
+    assert compiled and info["compile"] is True and "compile_skipped" not in info, info

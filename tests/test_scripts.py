@@ -36,3 +36,18 @@ def test_exit_status_is_pytests(tmp_path, pytest_rc, want, build_seconds):
     assert proc.returncode == want, proc.stderr
     assert (tmp_path / "argv").read_text().split()[-2:] == ["-k", "x"]
     assert ("collected no tests" in proc.stderr) == (pytest_rc == 5)
+
+
+def test_virtualenvs_skip_the_byte_compile_and_env_lets_python_keep_what_it_compiles(tmp_path):
+    """setup.sh installs with pip's --no-compile (most of the install time went to byte-compiling modules never
+    imported); that is only cheaper if a module compiled at its first import keeps its .pyc, so env.sh, which every
+    script sources before Python runs, must undo a PYTHONDONTWRITEBYTECODE from the caller's environment."""
+    setup = (REPO / "scripts/setup.sh").read_text()
+    installs = [line for line in setup.splitlines() if "/bin/pip install" in line and "--upgrade pip" not in line]
+    assert installs and all("$NO_COMPILE" in line for line in installs), installs
+    assert "NO_COMPILE=--no-compile" in setup
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PREFECT_HOME": str(tmp_path / "home")}
+    out = subprocess.run(["bash", "-c", f'source "{REPO}/scripts/env.sh" && echo "[${{PYTHONDONTWRITEBYTECODE-unset}}]"'],
+                         env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("[unset]"), out.stdout

@@ -4,8 +4,9 @@ machine's CPU at one thread:
     python -m bench.quality.on_run dpo RUN_DIR SEED OUT [KEY=VALUE ...]   # a DPO variant on a copy of the run in OUT
     python -m bench.quality.on_run grpo RUN_DIR STEPS LR                  # tests/test_quality.py's GRPO measurement
 
-Each prints one JSON line: the DPO variant's stage metrics and its SFT and DPO models' exact match on fresh held-out
-prompts (bench.quality.fresh.fresh_eval); for GRPO, the four arithmetic families' exact match on fresh prompts
+Each prints one JSON line: the DPO variant's stage metrics, its SFT and DPO models' exact match on fresh held-out
+prompts (bench.quality.fresh.fresh_eval) and the DPO model's wrong answers to 200 two-digit + one-digit sums
+(teen_sums_wrong: the demo prompt's neighbourhood); for GRPO, the four arithmetic families' exact match on fresh prompts
 before and after `STEPS` steps at `LR` (grpo_gain, which the quality test asserts on).
 """
 from __future__ import annotations
@@ -42,6 +43,20 @@ def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict
     return before, after
 
 
+def teen_sums_wrong(run_dir: Path, adapters: tuple[str, ...] = ("sft", "dpo")) -> list[str]:
+    """The model's wrong greedy answers to "What is a + b?" for a in 10-29, b in 0-9 (200 prompts, the demo's
+    "12 + 7" among them): where the default's DPO models slip (a tens digit off by one, "20" answered "10")."""
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.model.adapters import load_policy
+    run_dir = Path(run_dir)
+    model = load_policy(run_dir / "pretrain", *(run_dir / a for a in adapters)).eval()
+    sums = [(a, b) for a in range(10, 30) for b in range(10)]
+    answers = greedy_answers(model, load_tokenizer(run_dir / "tokenizer"),
+                             [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in sums])
+    return [f"{a}+{b}={x.strip()}" for (a, b), x in zip(sums, answers) if x.strip() != str(a + b)]
+
+
 def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict) -> dict:
     """The DPO stage with `overrides` on a copy of the run's inputs (out/tiny/), seeds as the run's."""
     from glm_lora.configs import load_config
@@ -56,7 +71,8 @@ def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict) -> dict:
     sft = json.loads((run_dir / "sft" / "manifest.json").read_text())["metrics"]["eval"]
     return {"seed": seed, "set": overrides, "sft_exact_match": sft["exact_match"],
             **{k: m["eval"][k] for k in ("exact_match", "implicit_reward_accuracy", "mean_margin")},
-            "best_step": m.get("best_step"), "fresh": fresh_eval(out / "tiny")}
+            "best_step": m.get("best_step"), "fresh": fresh_eval(out / "tiny"),
+            "teen_sums_wrong": teen_sums_wrong(out / "tiny")}
 
 
 def main(argv: list[str]) -> None:

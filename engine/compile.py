@@ -66,9 +66,10 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
 PAYBACK_STEPS = 400
 
 
-def skip_reason(setting: bool | str, steps: int) -> str | None:
-    """Why `compile: auto` leaves a stage of `steps` steps eager (None: compile it; also for true and false)."""
-    if setting == "auto" and steps < PAYBACK_STEPS:
+def skip_reason(setting: bool | str, steps: int | None) -> str | None:
+    """Why `compile: auto` leaves a stage of `steps` steps eager (None: compile it; also for true and false, and for
+    an unknown number of steps)."""
+    if setting == "auto" and steps is not None and steps < PAYBACK_STEPS:
         return f"{steps} steps, fewer than the {PAYBACK_STEPS} a cold compile takes to pay back (compile: auto)"
     return None
 
@@ -93,7 +94,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
     plus one forward), compile_fallback (why eager, if it was asked for and not used), compile_skipped (why
     `auto` chose eager)."""
     info: dict = {"compile": False}
-    skipped = skip_reason(enabled, steps if steps is not None else PAYBACK_STEPS)
+    skipped = skip_reason(enabled, steps)
     if skipped:
         log.info("%s.compile: running eager: %s", name, skipped)
         info["compile_skipped"] = skipped

@@ -23,18 +23,27 @@ def fresh_rows(run_dir: Path, families: list[str], work_dir: Path | None = None,
             if r["task"] in families and json.dumps(r["conversations"][:-1]) not in seen]
 
 
+def run_policy(run_dir: Path, *adapters) -> tuple:
+    """(tokenizer, model in eval mode) of a finished tiny run: its pretrained base with the named adapter stages'
+    directories (or adapter paths) applied in order."""
+    from glm_lora.data.tokenizer import load_tokenizer
+    from glm_lora.model.adapters import load_policy
+    run_dir = Path(run_dir)
+    model = load_policy(run_dir / "pretrain", *(run_dir / a for a in adapters)).eval()
+    return load_tokenizer(run_dir / "tokenizer"), model
+
+
 def fresh_eval(run_dir: Path, work_dir: Path | None = None) -> dict:
     """Greedy exact match, overall (the mean of the families) and per family, of the SFT and the DPO model in
     `run_dir` (whichever it holds) on fresh held-out prompts of every family: 8× the stages' own 200."""
-    from glm_lora.data.tokenizer import load_tokenizer
     from glm_lora.engine.evaluate import task_metrics
-    from glm_lora.model.adapters import load_policy
     run_dir = Path(run_dir)
-    tok, rows = load_tokenizer(run_dir / "tokenizer"), fresh_rows(run_dir, ALL_FAMILIES, work_dir)
+    rows = fresh_rows(run_dir, ALL_FAMILIES, work_dir)
     out = {"rows": len(rows)}
     for stage, adapters in (("sft", ("sft",)), ("dpo", ("sft", "dpo"))):
         if (run_dir / stage / "manifest.json").exists():
-            m = task_metrics(load_policy(run_dir / "pretrain", *(run_dir / a for a in adapters)).eval(), tok, rows)
+            tok, model = run_policy(run_dir, *adapters)
+            m = task_metrics(model, tok, rows)
             out[stage] = {"exact_match": m["exact_match"], "per_family": m["per_family"]}
     return out
 

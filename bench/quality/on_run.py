@@ -17,17 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.quality.fresh import WEAK_FAMILIES, fresh_eval, fresh_rows
+from bench.quality.fresh import WEAK_FAMILIES, fresh_eval, fresh_rows, run_policy
 
 
 def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict, dict]:
     """The RL stage (GRPO, exact-match reward) on the run's DPO model, `steps` steps on the four arithmetic families:
     their exact match on fresh held-out prompts per family, before and after."""
     from glm_lora.configs import load_config
-    from glm_lora.data.tokenizer import load_tokenizer
     from glm_lora.engine import rl
     from glm_lora.engine.evaluate import task_metrics
-    from glm_lora.model.adapters import load_policy
 
     cfg = load_config("tiny", {"runs_dir": str(work / "runs"), "serve.enabled": False, "eval.enabled": False,
                                "rl.max_steps": steps, "rl.families": WEAK_FAMILIES, "rl.max_new_tokens": 8,
@@ -36,24 +34,20 @@ def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict
     out = work / "rl"
     out.mkdir()
     rl.run(cfg, inputs, out)
-    tok, rows = load_tokenizer(run_dir / "tokenizer"), fresh_rows(run_dir, WEAK_FAMILIES, work)
-    adapters = [run_dir / "sft", run_dir / "dpo"]
-    before = task_metrics(load_policy(run_dir / "pretrain", *adapters).eval(), tok, rows)["per_family"]
-    after = task_metrics(load_policy(run_dir / "pretrain", *adapters, out).eval(), tok, rows)["per_family"]
+    rows = fresh_rows(run_dir, WEAK_FAMILIES, work)
+    tok, model = run_policy(run_dir, "sft", "dpo")
+    before = task_metrics(model, tok, rows)["per_family"]
+    after = task_metrics(run_policy(run_dir, "sft", "dpo", out)[1], tok, rows)["per_family"]
     return before, after
 
 
 def teen_sums_wrong(run_dir: Path, adapters: tuple[str, ...] = ("sft", "dpo")) -> list[str]:
     """The model's wrong greedy answers to "What is a + b?" for a in 10-29, b in 0-9 (200 prompts, the demo's
     "12 + 7" among them): where the default's DPO models slip (a tens digit off by one, "20" answered "10")."""
-    from glm_lora.data.tokenizer import load_tokenizer
     from glm_lora.engine.evaluate import greedy_answers
-    from glm_lora.model.adapters import load_policy
-    run_dir = Path(run_dir)
-    model = load_policy(run_dir / "pretrain", *(run_dir / a for a in adapters)).eval()
+    tok, model = run_policy(run_dir, *adapters)
     sums = [(a, b) for a in range(10, 30) for b in range(10)]
-    answers = greedy_answers(model, load_tokenizer(run_dir / "tokenizer"),
-                             [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in sums])
+    answers = greedy_answers(model, tok, [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in sums])
     return [f"{a}+{b}={x.strip()}" for (a, b), x in zip(sums, answers) if x.strip() != str(a + b)]
 
 

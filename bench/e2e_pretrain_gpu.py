@@ -13,12 +13,16 @@ Providers, all on the same token batches:
   ours_fused_compiled   kernels "auto" + torch.compile(model.hidden_states) (the blocks, where "auto" takes the torch
                         reference ops for inductor to fuse; the loss head stays our fused Triton op, eager: its
                         label filter is data-dependent); a compile error is recorded
+  ours_*_cudnn          the same with SDPA's causal attention on cuDNN's kernels (torch.nn.attention.sdpa_kernel;
+                        torch's own order puts FlashAttention-2 first)
 MFU = tokens/s × (6·N_nonembedding + 12·L·h·seq) / 790e12, N_nonembedding without embed_tokens and
 lm_head, 790 TFLOP/s = measured bf16 dense peak of the H200. `mfu_incl_lm_head` adds 6·h·V per token.
 
     python -m bench.e2e_pretrain_gpu [--sizes 125m,1b] [--steps 10 --warmup 3] [--smoke]
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -31,7 +35,7 @@ from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import DecoderConfig
 
 PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_nostack", "ours_fused_unfusednorm",
-             "ours_fused_compiled")
+             "ours_fused_compiled", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
 BASE = "hf_eager"
 PEAK_FLOPS = 790e12
 MFU_FORMULA = "tokens/s * (6*N_nonembedding + 12*L*h*seq) / 790e12; N_nonembedding excludes embed_tokens and lm_head"
@@ -62,15 +66,17 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
             return fwd(input_ids=b["input_ids"], labels=b["labels"]).loss
     else:
         model = our_model(cfg, device)
-        if name.endswith("compiled"):
+        if "compiled" in name:
             model.hidden_states = torch.compile(model.hidden_states)
 
         def loss_of(b):
             return causal_lm_loss(model, b)[0]
     opt = build_optimizer(model, 3e-4, 0.1, fused=device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
+    cudnn = (torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION) if name.endswith("_cudnn")
+             else contextlib.nullcontext())
     with kernels.using("reference" if name == "ours_reference" else "auto"), siblings_stacked(not name.endswith("_nostack")), \
-            norms_fused(not name.endswith("_unfusednorm")):
+            norms_fused(not name.endswith("_unfusednorm")), cudnn:
         return {**timed(train_step(loss_of, opt, device), batches, args.warmup, device), "params": params}
 
 
@@ -89,8 +95,8 @@ def main() -> None:
                        "flops_per_token_incl_lm_head": per_token + 6 * cfg.hidden_size * vocab}
         rows = {}
         for p in selected(args, PROVIDERS):
-            if args.smoke and p.endswith("compiled"):
-                rows[p] = {"skipped": "--smoke: no compile"}
+            if args.smoke and ("compiled" in p or p.endswith("_cudnn")):
+                rows[p] = {"skipped": "--smoke: no compile, no cuDNN"}
                 continue
             rows[p] = r = guarded(lambda: run(p, cfg, batches, args, device), device)
             if "real_tokens_per_s" in r:

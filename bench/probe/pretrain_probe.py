@@ -2,15 +2,16 @@
 every weight trained, bf16 autocast, fused AdamW): GPU busy time vs wall time per step (launch-bound or not), the
 top kernels, and time by kind.
 
-    PYTHONPATH=. python bench/probe/pretrain_probe.py [--size 125m] [--compile]
+    PYTHONPATH=. python bench/probe/pretrain_probe.py [--size 125m] [--rows 8] [--compile] [--sdpa cudnn]
 """
 import argparse
+import contextlib
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.e2e_pretrain_gpu import random_batches
+from bench.e2e_pretrain_gpu import non_embedding_params, random_batches
 from bench.peer_gpu import KINDS
 from bench.workloads import decoder_config, our_model, train_step
 from glm_lora import kernels
@@ -25,10 +26,14 @@ ap.add_argument("--inner-reference", action="store_true",
                 help="with --compile: the blocks' ops as the torch reference (inductor fuses them), the loss head fused")
 ap.add_argument("--no-targets", action="store_true", help="batches without target_positions (the loss finds them: "
                                                           "a host sync per step)")
+ap.add_argument("--rows", type=int, default=8, help="rows of 2048 tokens a step")
+ap.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"],
+                help="SDPA's backend for the causal attention (torch.nn.attention.sdpa_kernel); default: torch's choice")
 args = ap.parse_args()
 dev = torch.device("cuda")
 cfg = decoder_config(args.size, 32000, 2048)
 model = our_model(cfg, dev)
+flops_per_token = 6 * non_embedding_params(cfg) + 12 * cfg.num_layers * cfg.hidden_size * 2048   # as e2e_pretrain_gpu
 if args.compile:
     compiled = torch.compile(model.hidden_states, mode="reduce-overhead" if args.cudagraphs else None)
 
@@ -47,11 +52,14 @@ def step(b):
 
 
 batches = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-           for b in random_batches(12, 8, 2048, 32000)]
+           for b in random_batches(12, args.rows, 2048, 32000)]
 if args.no_targets:
     for b in batches:
         del b["target_positions"]
-with kernels.using("auto"):
+backend = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}.get(args.sdpa)
+sdpa = (torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)) if backend
+        else contextlib.nullcontext())
+with kernels.using("auto"), sdpa:
     for b in batches[:6]:
         step(b)
     torch.cuda.synchronize()
@@ -69,8 +77,9 @@ gpu = sum(e.device_time_total for e in events) / 3 / 1000
 launches = sum(e.count for e in events) / 3
 print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.cudagraphs else ''}"
       f"{' inner reference' if args.inner_reference else ''}"
-      f"{' no target_positions' if args.no_targets else ''}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
-      f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step")
+      f"{' no target_positions' if args.no_targets else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
+      f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step, "
+      f"MFU {args.rows * 2048 / wall * flops_per_token / 790e12:.3f}")
 by_kind: dict = {}
 for e in events:
     kind = next((k for k, keys in KINDS if any(s in e.key.lower() for s in keys)), "other")

@@ -47,6 +47,19 @@ def non_embedding_params(cfg: DecoderConfig) -> int:
     return cfg.num_layers * (attn + 3 * h * cfg.intermediate_size + 2 * h) + h
 
 
+def flops_per_token(cfg: DecoderConfig, seq_len: int) -> int:
+    """The MFU numerator per token (MFU_FORMULA): 6·N_nonembedding + 12·L·h·seq."""
+    return 6 * non_embedding_params(cfg) + 12 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def sdpa_backend(name: str | None):
+    """A context running SDPA on one backend ("flash", "cudnn", "efficient"); None: torch's own choice."""
+    if name is None:
+        return contextlib.nullcontext()
+    b = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}[name]
+    return torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, b))
+
+
 def random_batches(n: int, rows: int, seq_len: int, vocab: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -73,8 +86,7 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
             return causal_lm_loss(model, b)[0]
     opt = build_optimizer(model, 3e-4, 0.1, fused=device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
-    cudnn = (torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION) if name.endswith("_cudnn")
-             else contextlib.nullcontext())
+    cudnn = sdpa_backend("cudnn" if name.endswith("_cudnn") else None)
     with kernels.using("reference" if name == "ours_reference" else "auto"), siblings_stacked(not name.endswith("_nostack")), \
             norms_fused(not name.endswith("_unfusednorm")), cudnn:
         return {**timed(train_step(loss_of, opt, device), batches, args.warmup, device), "params": params}
@@ -89,9 +101,8 @@ def main() -> None:
     results, flops = {}, {}
     for size in sizes:
         cfg = decoder_config(size, vocab, seq_len)
-        n = non_embedding_params(cfg)
-        per_token = 6 * n + 12 * cfg.num_layers * cfg.hidden_size * seq_len
-        flops[size] = {"n_nonembedding": n, "flops_per_token": per_token,
+        per_token = flops_per_token(cfg, seq_len)
+        flops[size] = {"n_nonembedding": non_embedding_params(cfg), "flops_per_token": per_token,
                        "flops_per_token_incl_lm_head": per_token + 6 * cfg.hidden_size * vocab}
         rows = {}
         for p in selected(args, PROVIDERS):

@@ -5,13 +5,12 @@ top kernels, and time by kind.
     PYTHONPATH=. python bench/probe/pretrain_probe.py [--size 125m] [--rows 8] [--compile] [--sdpa cudnn]
 """
 import argparse
-import contextlib
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.e2e_pretrain_gpu import non_embedding_params, random_batches
+from bench.e2e_pretrain_gpu import PEAK_FLOPS, flops_per_token, random_batches, sdpa_backend
 from bench.peer_gpu import KINDS
 from bench.workloads import decoder_config, our_model, train_step
 from glm_lora import kernels
@@ -33,7 +32,7 @@ args = ap.parse_args()
 dev = torch.device("cuda")
 cfg = decoder_config(args.size, 32000, 2048)
 model = our_model(cfg, dev)
-flops_per_token = 6 * non_embedding_params(cfg) + 12 * cfg.num_layers * cfg.hidden_size * 2048   # as e2e_pretrain_gpu
+per_token = flops_per_token(cfg, 2048)
 if args.compile:
     compiled = torch.compile(model.hidden_states, mode="reduce-overhead" if args.cudagraphs else None)
 
@@ -56,10 +55,7 @@ batches = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.ite
 if args.no_targets:
     for b in batches:
         del b["target_positions"]
-backend = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}.get(args.sdpa)
-sdpa = (torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)) if backend
-        else contextlib.nullcontext())
-with kernels.using("auto"), sdpa:
+with kernels.using("auto"), sdpa_backend(args.sdpa):
     for b in batches[:6]:
         step(b)
     torch.cuda.synchronize()
@@ -79,7 +75,7 @@ print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.c
       f"{' inner reference' if args.inner_reference else ''}"
       f"{' no target_positions' if args.no_targets else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
       f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step, "
-      f"MFU {args.rows * 2048 / wall * flops_per_token / 790e12:.3f}")
+      f"MFU {args.rows * 2048 / wall * per_token / PEAK_FLOPS:.3f}")
 by_kind: dict = {}
 for e in events:
     kind = next((k for k, keys in KINDS if any(s in e.key.lower() for s in keys)), "other")

@@ -33,6 +33,7 @@ import torch
 
 from bench.common import BENCH, write_result
 from glm_lora import kernels
+from glm_lora.kernels import reference
 from glm_lora.configs import load_config
 from glm_lora.data.pipeline import StageData
 from glm_lora.data.prepare import split_path
@@ -57,8 +58,8 @@ def sft_setup(run: Path, runs_dir: Path):
 
 class Variant:
     def __init__(self, name: str, base, tc, threads: int, compile: bool, runs_dir: Path, bf16: bool = False,
-                 fused: bool = False, stack: bool = False):
-        self.name, self.threads, self.tc, self.stack = name, threads, tc, stack
+                 fused: bool = False, stack: bool = False, repeat_kv: bool = False):
+        self.name, self.threads, self.tc, self.stack, self.repeat_kv = name, threads, tc, stack, repeat_kv
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
         self.model = copy.deepcopy(base)
         self.opt = build_optimizer(self.model, tc.lr, tc.weight_decay, fused=fused,
@@ -71,6 +72,7 @@ class Variant:
     def step(self, batch: dict, step: int) -> None:
         torch.set_num_threads(self.threads)
         kernels.STACK_SIBLINGS["cpu"] = self.stack
+        reference.GQA_WITH_MASK["cpu"] = not self.repeat_kv
         tc = self.tc
         lr = lr_at(step, max_steps=tc.max_steps, warmup_steps=tc.warmup_steps, base_lr=tc.lr,
                    min_lr_ratio=tc.min_lr_ratio)
@@ -169,8 +171,9 @@ def main() -> None:
     ap.add_argument("--min-steps", type=int, default=100, help="interleaved rounds at least (loss agreement)")
     ap.add_argument("--profile", action="store_true", help="also print the top ATen ops of the eager step")
     ap.add_argument("--variants", default="eager-2t,compiled-2t,eager-1t,compiled-1t",
-                    help="kind[-bf16][-fused][-stack]-Nt (eager|compiled; bf16 autocast; fused AdamW; q/k/v and "
-                         "gate/up stacked: kernels.stacks_siblings), comma-separated; "
+                    help="kind[-bf16][-fused][-stack][-repeatkv]-Nt (eager|compiled; bf16 autocast; fused AdamW; "
+                         "q/k/v and gate/up stacked: kernels.stacks_siblings; k/v heads repeated before the masked "
+                         "attention: reference.GQA_WITH_MASK off), comma-separated; "
                          "the first is the baseline")
     args = ap.parse_args()
     cfg, tc, data, batches, base = sft_setup(args.run, args.runs_dir)
@@ -185,7 +188,8 @@ def main() -> None:
     for name in args.variants.split(","):
         kind, *options, threads = name.split("-")   # e.g. compiled-bf16-fused-2t: bf16 autocast, fused AdamW
         variants.append(Variant(name, base, tc, int(threads[:-1]), kind == "compiled", args.runs_dir,
-                                bf16="bf16" in options, fused="fused" in options, stack="stack" in options))
+                                bf16="bf16" in options, fused="fused" in options, stack="stack" in options,
+                                repeat_kv="repeatkv" in options))
     step, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < args.seconds or step < args.min_steps:
         batch = next(batches)

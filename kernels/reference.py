@@ -92,13 +92,20 @@ def attention_in_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return _attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
 
 
+# Whether SDPA gets grouped k/v heads in place together with a mask: SDPA's fused CUDA kernels take a mask or GQA,
+# not both (else: the slow math path), so CUDA repeats k/v; the CPU flash kernel takes both, and reading the shared
+# heads in place is 1.06-1.09x the tiny default's whole SFT step (bench/RESULTS.md "Two cores: grouped k/v heads").
+GQA_WITH_MASK = {"cpu": True}
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if gqa:     # SDPA's fused CUDA kernels take a mask or GQA, not both (else: the slow math path)
+    if gqa and not GQA_WITH_MASK.get(q.device.type, False):
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -184,3 +184,28 @@ def test_attention_under_cpu_autocast_runs_in_fp32(masked):
     torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=0, atol=0)
     out.float().sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_gqa_attention_matches_transformers_eager(dtype):
+    """Packed rows with grouped k/v heads (2 of 6): the CPU path hands SDPA the shared heads in place
+    (enable_gqa) with the document mask; same output and q/k/v gradients as transformers' eager attention
+    (repeat_kv, explicit softmax) under the same mask, computed in float64."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+    q, k, v = (leaf(3, h, 20, 16, dtype=dtype, seed=s) for s, h in ((1, 6), (2, 2), (3, 2)))
+    doc_ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4, [1] * 20, [1] * 5 + [2] * 12 + [0] * 3])
+    mask = ref.document_causal_mask(doc_ids)
+
+    def eager(q, k, v):
+        k, v = repeat_kv(k, 3), repeat_kv(v, 3)
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+    out = ref._attention(q, k, v, mask)
+    q64, k64, v64 = upcast(q, k, v)
+    want = eager(q64, k64, v64)
+    atol, rtol = TOL[dtype]
+    close(out.double(), want, (atol, rtol))
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for got, expected in zip(grads(out, (q, k, v), [upstream.to(dtype)]), grads(want, (q64, k64, v64), [upstream])):
+        close(got.double(), expected, (atol, rtol))

@@ -2,6 +2,7 @@
 machine's CPU at one thread:
 
     python -m bench.quality.on_run dpo RUN_DIR SEED OUT [KEY=VALUE ...]   # a DPO variant on a copy of the run in OUT
+    python -m bench.quality.on_run dpo_on_policy RUN_DIR SEED OUT [KEY=VALUE ...]   # the same on on-policy pairs
     python -m bench.quality.on_run grpo RUN_DIR STEPS LR                  # tests/test_quality.py's GRPO measurement
 
 Each prints one JSON line: the DPO variant's stage metrics, its SFT and DPO models' exact match on fresh held-out
@@ -51,19 +52,49 @@ def teen_sums_wrong(run_dir: Path, adapters: tuple[str, ...] = ("sft", "dpo")) -
     return [f"{a}+{b}={x.strip()}" for (a, b), x in zip(sums, answers) if x.strip() != str(a + b)]
 
 
-def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict) -> dict:
-    """The DPO stage with `overrides` on a copy of the run's inputs (out/tiny/), seeds as the run's."""
+def on_policy_rejected(run: Path) -> dict:
+    """Rewrite the DPO training pairs of a run copy: where the SFT model's greedy answer to a pair's prompt is not the
+    chosen answer, that answer (its own mistake) becomes the rejected one; sources.json records the new hash. An
+    experiment on the generator's pairs (random near-misses the SFT model mostly rules out already), not a stage."""
+    from glm_lora.artifacts import MANIFEST, sha256_file, sha256_path
+    from glm_lora.data.prepare import SOURCES
+    from glm_lora.engine.evaluate import greedy_answers
+    data = run / "data"
+    sources = json.loads((data / SOURCES).read_text())
+    path = data / sources["splits"]["dpo"]["path"]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    tok, model = run_policy(run, "sft")
+    answers = greedy_answers(model, tok, [r["chosen"][:-1] for r in rows])
+    changed = {}
+    for r, a in zip(rows, answers):
+        if a.strip() != r["chosen"][-1]["content"].strip():
+            r["rejected"] = r["chosen"][:-1] + [{"role": "assistant", "content": a.strip()}]
+            changed[r["task"]] = changed.get(r["task"], 0) + 1
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    sources["splits"]["dpo"]["sha256"] = sha256_path(path)
+    (data / SOURCES).write_text(json.dumps(sources))
+    manifest = json.loads((data / MANIFEST).read_text())      # the stage's file list, so the copy stays complete
+    for f in (path, data / SOURCES):
+        manifest["files"][f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
+    (data / MANIFEST).write_text(json.dumps(manifest))
+    return {"pairs": len(rows), "on_policy": sum(changed.values()), "on_policy_by_task": changed}
+
+
+def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict, on_policy: bool = False) -> dict:
+    """The DPO stage with `overrides` on a copy of the run's inputs (out/tiny/), seeds as the run's; `on_policy`:
+    on pairs rewritten by on_policy_rejected first."""
     from glm_lora.configs import load_config
     from glm_lora.flows.cli import run_one_stage
 
     shutil.rmtree(out, ignore_errors=True)
     for stage in ("pretrain", "sft", "tokenizer", "data"):
         shutil.copytree(run_dir / stage, out / "tiny" / stage)
+    rewritten = on_policy_rejected(out / "tiny") if on_policy else None
     cfg = load_config("tiny", {"runs_dir": str(out), "serve.enabled": False, "pretrain.seed": seed,
                                "sft.seed": seed, "dpo.seed": seed, **overrides})
     m = run_one_stage("dpo", cfg).manifest()["metrics"]
     sft = json.loads((run_dir / "sft" / "manifest.json").read_text())["metrics"]["eval"]
-    return {"seed": seed, "set": overrides, "sft_exact_match": sft["exact_match"],
+    return {"seed": seed, "set": overrides, "on_policy": rewritten, "sft_exact_match": sft["exact_match"],
             **{k: m["eval"][k] for k in ("exact_match", "implicit_reward_accuracy", "mean_margin")},
             "best_step": m.get("best_step"), "fresh": fresh_eval(out / "tiny"),
             "teen_sums_wrong": teen_sums_wrong(out / "tiny")}
@@ -74,9 +105,10 @@ def main(argv: list[str]) -> None:
     from glm_lora.configs import parse_value
     torch.set_num_threads(1)
     what, run_dir = argv[0], Path(argv[1])
-    if what == "dpo":
+    if what in ("dpo", "dpo_on_policy"):
         sets = {k: parse_value(v) for k, v in (a.split("=", 1) for a in argv[4:])}
-        print(json.dumps(dpo_variant(run_dir, int(argv[2]), Path(argv[3]), sets)))
+        print(json.dumps(dpo_variant(run_dir, int(argv[2]), Path(argv[3]), sets, on_policy=what == "dpo_on_policy"),
+                         ensure_ascii=False))
     elif what == "grpo":
         before, after = grpo_gain(run_dir, Path(tempfile.mkdtemp()), steps=int(argv[2]), lr=float(argv[3]))
         gain = sum(after.values()) / len(after) - sum(before.values()) / len(before)

@@ -186,12 +186,19 @@ def test_attention_under_cpu_autocast_runs_in_fp32(masked):
     assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 and t.grad.abs().sum() > 0 for t in (q, k, v))
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_gqa_attention_matches_transformers_eager(dtype):
-    """Packed rows with grouped k/v heads (2 of 6): the CPU path hands SDPA the shared heads in place
-    (enable_gqa) with the document mask; same output and q/k/v gradients as transformers' eager attention
-    (repeat_kv, explicit softmax) under the same mask, computed in float64."""
+def test_masked_gqa_attention_matches_transformers_eager(dtype, in_place, monkeypatch):
+    """Packed rows with grouped k/v heads (2 of 6) and the document mask: SDPA gets the 2 shared heads in place
+    (enable_gqa; the CPU default, reference.GQA_WITH_MASK) or the heads repeated to 6 (CUDA's rule); either way
+    the output and the q/k/v gradients are transformers' eager attention (repeat_kv, explicit softmax) under the
+    same mask, computed in float64."""
     from transformers.models.llama.modeling_llama import repeat_kv
+    monkeypatch.setitem(ref.GQA_WITH_MASK, "cpu", in_place)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(ref.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((k.shape[1], kw["enable_gqa"])) or sdpa(q, k, v, **kw))
     q, k, v = (leaf(3, h, 20, 16, dtype=dtype, seed=s) for s, h in ((1, 6), (2, 2), (3, 2)))
     doc_ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4, [1] * 20, [1] * 5 + [2] * 12 + [0] * 3])
     mask = ref.document_causal_mask(doc_ids)
@@ -202,6 +209,7 @@ def test_masked_gqa_attention_matches_transformers_eager(dtype):
         return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
     out = ref._attention(q, k, v, mask)
+    assert seen == [(2, True) if in_place else (6, False)]
     q64, k64, v64 = upcast(q, k, v)
     want = eager(q64, k64, v64)
     atol, rtol = TOL[dtype]

@@ -104,8 +104,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if gqa and not GQA_WITH_MASK.get(q.device.type, False):
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from bench.quality.fresh import WEAK_FAMILIES, fresh_eval, fresh_rows, run_policy
@@ -54,9 +55,9 @@ def teen_sums_wrong(run_dir: Path, adapters: tuple[str, ...] = ("sft", "dpo")) -
 
 def on_policy_rejected(run: Path) -> dict:
     """Rewrite the DPO training pairs of a run copy: where the SFT model's greedy answer to a pair's prompt is not the
-    chosen answer, that answer (its own mistake) becomes the rejected one; sources.json records the new hash. An
+    chosen answer, that answer (its own mistake) becomes the rejected one; sources.json and the manifest record it. An
     experiment on the generator's pairs (random near-misses the SFT model mostly rules out already), not a stage."""
-    from glm_lora.artifacts import MANIFEST, sha256_file, sha256_path
+    from glm_lora.artifacts import MANIFEST, atomic_write_text, content_digest, file_entry, read_manifest
     from glm_lora.data.prepare import SOURCES
     from glm_lora.engine.evaluate import greedy_answers
     data = run / "data"
@@ -65,19 +66,20 @@ def on_policy_rejected(run: Path) -> dict:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     tok, model = run_policy(run, "sft")
     answers = greedy_answers(model, tok, [r["chosen"][:-1] for r in rows])
-    changed = {}
-    for r, a in zip(rows, answers):
-        if a.strip() != r["chosen"][-1]["content"].strip():
-            r["rejected"] = r["chosen"][:-1] + [{"role": "assistant", "content": a.strip()}]
-            changed[r["task"]] = changed.get(r["task"], 0) + 1
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    sources["splits"]["dpo"]["sha256"] = sha256_path(path)
-    (data / SOURCES).write_text(json.dumps(sources))
-    manifest = json.loads((data / MANIFEST).read_text())      # the stage's file list, so the copy stays complete
-    for f in (path, data / SOURCES):
-        manifest["files"][f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
-    (data / MANIFEST).write_text(json.dumps(manifest))
-    return {"pairs": len(rows), "on_policy": sum(changed.values()), "on_policy_by_task": changed}
+    changed = Counter()
+    for r, answer in zip(rows, (a.strip() for a in answers)):
+        if answer != r["chosen"][-1]["content"].strip():
+            r["rejected"] = r["chosen"][:-1] + [{"role": "assistant", "content": answer}]
+            changed[r["task"]] += 1
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    manifest = read_manifest(data)          # the copy's file list and digest follow, so the stage stays complete
+    manifest["files"][path.name] = file_entry(path)
+    sources["splits"]["dpo"]["sha256"] = manifest["files"][path.name]["sha256"]
+    atomic_write_text(data / SOURCES, json.dumps(sources))
+    manifest["files"][SOURCES] = file_entry(data / SOURCES)
+    manifest["digest"] = content_digest(manifest["files"])
+    atomic_write_text(data / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+    return {"pairs": len(rows), "on_policy": changed.total(), "on_policy_by_task": dict(changed)}
 
 
 def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict, on_policy: bool = False) -> dict:

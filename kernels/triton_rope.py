@@ -2,8 +2,10 @@
 
 Same semantics as `kernels.reference.apply_rope`. One program per (batch, position) rotates every head
 of q and of k at that position. Any strides are handled in place, so the (B, H, T, D) transposed views
-of the (B, T, H, D) projections need no copy; outputs keep their input's memory layout. The backward is
-the transposed rotation: the same kernel with the sin halves swapped and negated.
+of the (B, T, H, D) projections need no copy. Outputs (and input gradients) are (B, H, T, D) views laid out
+as (B, T, H, D): attention's output and gradients follow q/k/v's layout (FlexAttention, SDPA's flash
+kernels), so the heads join back into (B, T, H·D) as views on both sides of the step, no copies. The
+backward is the transposed rotation: the same kernel with the sin halves swapped and negated.
 """
 from __future__ import annotations
 
@@ -63,10 +65,15 @@ def _rope_kernel(
                   n_k_heads, half, c1, c2, s1, s2, BLOCK_KH, BLOCK_D)
 
 
+def _heads_last_empty(x: torch.Tensor) -> torch.Tensor:
+    B, H, T, D = x.shape
+    return x.new_empty(B, T, H, D).transpose(1, 2)
+
+
 def _rope(q, k, cos, sin, backward):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qo, ko = _heads_last_empty(q), _heads_last_empty(k)
     _rope_kernel[(B * T,)](
         q, k, qo, ko, cos, sin,
         *q.stride(), *k.stride(), *qo.stride(), *ko.stride(),

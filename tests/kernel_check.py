@@ -104,13 +104,17 @@ def rope_tables(B: int, T: int, D: int, *, offset: int = 5, theta: float = 10000
 
 def check_rope(apply_rope: Callable, q, k, cos, sin, tol: Tol | tuple, ref_dtype: torch.dtype = torch.float64) -> None:
     """`check` for a RoPE op, against the reference on the tables rounded to q's dtype (the numbers the
-    reference multiplies by); the outputs also keep each input's layout where it is dense, and rotate."""
+    reference multiplies by); the outputs rotate, and they and the input gradients are laid out heads-last
+    ((B, T, H, D) memory), whatever the inputs' layout: attention keeps that layout, so the heads join
+    back into (B, T, H·D) without a copy in forward and backward."""
     rounded = [t.to(q.dtype).to(ref_dtype) for t in (cos, sin)]
     outs, _ = check(lambda q, k: apply_rope(q, k, cos, sin), lambda q, k: reference.apply_rope(q, k, *rounded),
                     (q, k), tol, ref_dtype=ref_dtype)
     for o, x in zip(outs, (q, k)):
-        assert o.stride() == torch.empty_like(x).stride()
+        assert o.transpose(1, 2).is_contiguous()
         assert not torch.equal(o, x)
+    for g in grads(apply_rope(q, k, cos, sin), (q, k)):
+        assert g.transpose(1, 2).is_contiguous()
 
 
 def lora_inputs(lead: tuple[int, ...], k: int, n: int, r: int, dtype: torch.dtype, seed: int = 0,

@@ -29,7 +29,7 @@ def test_rope_contiguous_inputs():
 
 
 def test_rope_slices_of_fused_qkv_projection():
-    # Not dense: outputs are allocated contiguous, so input and output strides differ.
+    # Not dense (q and k are slices of one q/k/v output): the outputs are dense, heads-last.
     B, H, Hkv, T, D = 2, 4, 2, 5, 16
     qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=torch.Generator().manual_seed(10))
     q = qkv[:, :, :H].transpose(1, 2).requires_grad_(True)

@@ -26,10 +26,6 @@ grouped_mm / grouped_lora_mm (MoE experts: one weight per group of rows sorted b
 GEMM (kernels/triton_grouped_mm.py) on CUDA, the per-expert loop of the reference elsewhere; torch._grouped_mm
 is the alternative that `GROUPED_MM_AUTO` (below) can switch "auto" to.
 
-Not an exception but a limit, on every backend ("triton" too): apply_rope with GLM's interleaved pairs
-or partial rotary runs the reference; the Triton kernel rotates whole heads in halves only (not measured
-on GPU: GLM layouts pay eager RoPE there).
-
 Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
 "flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" on CUDA picks
 per model, by `flex_pays` (the rule and its measurements are there), once the first attention call of
@@ -115,12 +111,7 @@ def add_rms_norm(x, residual, weight, eps, out_dtype=None):
 
 
 def apply_rope(q, k, cos, sin, interleaved=False):
-    # The Triton kernel rotates whole heads in halves (Llama/Qwen) only. GLM's interleaved pairs and partial
-    # rotary (tables narrower than the head) take the reference on every backend, "triton" included: the
-    # kernel would silently rotate the wrong pairs (interleaved) or refuse the shapes (partial).
-    if interleaved or cos.shape[-1] != q.shape[-1]:
-        return reference.apply_rope(q, k, cos, sin, interleaved)
-    return _impl("apply_rope", q)(q, k, cos, sin)
+    return _impl("apply_rope", q)(q, k, cos, sin, interleaved)
 
 
 def swiglu(gate, up):

@@ -95,25 +95,27 @@ def rope_projection(B: int, T: int, H: int, D: int, dtype: torch.dtype, seed: in
     return t.transpose(1, 2).requires_grad_(True)
 
 
-def rope_tables(B: int, T: int, D: int, *, offset: int = 5, theta: float = 10000.0,
+def rope_tables(B: int, T: int, D: int, *, offset: int = 5, theta: float = 10000.0, interleaved: bool = False,
                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions that start `offset` × row later in each row, as with packing."""
+    """cos/sin (B, T, D) for positions that start `offset` × row later in each row, as with packing; D is the
+    rotary dim (fewer than the head's for partial rotary)."""
     pos = torch.stack([torch.arange(T, device=device) + offset * b for b in range(B)])
-    return reference.rope_cos_sin(pos, D, theta)
+    return reference.rope_cos_sin(pos, D, theta, interleaved)
 
 
-def check_rope(apply_rope: Callable, q, k, cos, sin, tol: Tol | tuple, ref_dtype: torch.dtype = torch.float64) -> None:
+def check_rope(apply_rope: Callable, q, k, cos, sin, tol: Tol | tuple, ref_dtype: torch.dtype = torch.float64,
+               interleaved: bool = False) -> None:
     """`check` for a RoPE op, against the reference on the tables rounded to q's dtype (the numbers the
     reference multiplies by); the outputs rotate, and they and the input gradients are laid out heads-last
     ((B, T, H, D) memory), whatever the inputs' layout: attention keeps that layout, so the heads join
     back into (B, T, H·D) without a copy in forward and backward."""
     rounded = [t.to(q.dtype).to(ref_dtype) for t in (cos, sin)]
-    outs, _ = check(lambda q, k: apply_rope(q, k, cos, sin), lambda q, k: reference.apply_rope(q, k, *rounded),
-                    (q, k), tol, ref_dtype=ref_dtype)
+    outs, _ = check(lambda q, k: apply_rope(q, k, cos, sin, interleaved),
+                    lambda q, k: reference.apply_rope(q, k, *rounded, interleaved), (q, k), tol, ref_dtype=ref_dtype)
     for o, x in zip(outs, (q, k)):
         assert o.transpose(1, 2).is_contiguous()
         assert not torch.equal(o, x)
-    for g in grads(apply_rope(q, k, cos, sin), (q, k)):
+    for g in grads(apply_rope(q, k, cos, sin, interleaved), (q, k)):
         assert g.transpose(1, 2).is_contiguous()
 
 

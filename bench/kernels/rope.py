@@ -2,11 +2,14 @@
 
 B × T = 8 × 2048 (M = 16384 positions), bf16, q/k as the (B, H, T, D) transposed views of the
 (B, T, H, D) projections that model.Attention passes. Head configs: the 125M bench model (h768: 12/12
-heads of 64), TinyLlama-like h2048 (32 q / 4 kv heads of 64) and 16 q / 4 kv heads of 128.
+heads of 64), TinyLlama-like h2048 (32 q / 4 kv heads of 64), 16 q / 4 kv heads of 128, and GLM-4-9B's
+layout (32 q / 2 kv heads of 128, interleaved pairs over the first 64 dims: partial rotary).
 
     python -m bench.kernels.rope
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -15,22 +18,26 @@ from glm_lora.kernels import reference as ref
 from glm_lora.kernels.triton_rope import apply_rope
 
 B, T = 8, 2048
-HEADS = ((12, 12, 64), (32, 4, 64), (16, 4, 128))      # (q heads, kv heads, head_dim)
+# (q heads, kv heads, head_dim, rotary dims, interleaved)
+HEADS = ((12, 12, 64, 64, False), (32, 4, 64, 64, False), (16, 4, 128, 128, False), (32, 2, 128, 64, True))
 
 
 def bench(device: str = "cuda") -> list[dict]:
     rows = []
     gen = torch.Generator(device).manual_seed(0)
     dtype = torch.bfloat16
-    for H, Hkv, D in HEADS:
+    for H, Hkv, D, R, interleaved in HEADS:
         torch._dynamo.reset()          # fresh compile caches: the recompile limit counts per code object
         q = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen).transpose(1, 2).requires_grad_(True)
         k = torch.randn(B, T, Hkv, D, device=device, dtype=dtype, generator=gen).transpose(1, 2).requires_grad_(True)
         pos = torch.arange(T, device=device).expand(B, T)
-        cos, sin = ref.rope_cos_sin(pos, D, 10000.0)
+        cos, sin = ref.rope_cos_sin(pos, R, 10000.0, interleaved)
         dq, dk = torch.randn_like(q), torch.randn_like(k)
-        impls = {"triton": apply_rope, "eager": ref.apply_rope, "compiled": torch.compile(ref.apply_rope, dynamic=False)}
-        rows += compare("rope", f"B{B} T{T} H{H} Hkv{Hkv} D{D}", dtype, impls, (q, k, cos, sin), (dq, dk))
+        impls = {"triton": functools.partial(apply_rope, interleaved=interleaved),
+                 "eager": functools.partial(ref.apply_rope, interleaved=interleaved),
+                 "compiled": torch.compile(functools.partial(ref.apply_rope, interleaved=interleaved), dynamic=False)}
+        shape = f"B{B} T{T} H{H} Hkv{Hkv} D{D}" + (f" R{R} interleaved" if interleaved else "")
+        rows += compare("rope", shape, dtype, impls, (q, k, cos, sin), (dq, dk))
     return rows
 
 

@@ -54,6 +54,25 @@ def test_rope_arbitrary_tables():
     check_rope(apply_rope, q, k, cos, sin, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("D, R", [(16, 16), (16, 8), (10, 4), (6, 2)])
+def test_rope_glm_layouts(D, R, interleaved):
+    # GLM: interleaved pairs, over the first R dims of each head (partial rotary); the rest pass through.
+    B, H, Hkv, T = 2, 3, 1, 5
+    q, k = rope_projection(B, T, H, D, torch.float32, seed=11), rope_projection(B, T, Hkv, D, torch.float32, seed=12)
+    check_rope(apply_rope, q, k, *rope_tables(B, T, R, interleaved=interleaved), TOL[torch.float32],
+               interleaved=interleaved)
+
+
+def test_rope_interleaved_arbitrary_tables():
+    # Table entries that differ within a pair catch a kernel reading the halves' indices when interleaved.
+    B, H, Hkv, T, D, R = 2, 2, 2, 3, 12, 8
+    q, k = rope_projection(B, T, H, D, torch.float32, seed=13), rope_projection(B, T, Hkv, D, torch.float32, seed=14)
+    gen = torch.Generator().manual_seed(15)
+    cos, sin = torch.randn(B, T, R, generator=gen), torch.randn(B, T, R, generator=gen)
+    check_rope(apply_rope, q, k, cos, sin, TOL[torch.float32], interleaved=True)
+
+
 def test_rope_rejects_bad_shapes():
     q, k = torch.ones(1, 2, 3, 6), torch.ones(1, 1, 4, 6)
     cos = sin = torch.ones(1, 3, 6)
@@ -61,3 +80,7 @@ def test_rope_rejects_bad_shapes():
         apply_rope(q, k, cos, sin)
     with pytest.raises(ValueError):
         apply_rope(torch.ones(1, 2, 3, 5), torch.ones(1, 1, 3, 5), torch.ones(1, 3, 5), torch.ones(1, 3, 5))
+    with pytest.raises(ValueError):        # tables wider than the head
+        apply_rope(torch.ones(1, 2, 3, 4), torch.ones(1, 1, 3, 4), torch.ones(1, 3, 6), torch.ones(1, 3, 6))
+    with pytest.raises(ValueError):        # an odd rotary width
+        apply_rope(torch.ones(1, 2, 3, 6), torch.ones(1, 1, 3, 6), torch.ones(1, 3, 3), torch.ones(1, 3, 3))

@@ -194,15 +194,24 @@ def test_glm_config_defaults_and_rotary_dim():
         DecoderConfig(vocab_size=9, hidden_size=20, num_heads=2, num_kv_heads=1, arch="glm")
 
 
-# ---------------------------------------------------------------- GLM RoPE: interleaved, partial (kernels.reference)
+# ---------------------------------------------------------------- GLM RoPE: interleaved, partial
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def _triton_rope(*args):
+    from glm_lora.kernels.triton_rope import apply_rope
+    return apply_rope(*args)
+
+
+# The Triton kernel computes in fp32 whatever the input dtype, so it is held to fp32 inputs.
+@pytest.mark.parametrize("impl, dtype", [("reference", torch.float32), ("reference", torch.float64),
+                                         ("triton", torch.float32)])
 @pytest.mark.parametrize("D, factor", [(32, 0.5), (12, 0.5), (16, 1.0), (32, 0.25)])
-def test_glm_rope_matches_transformers(D, factor, dtype):
-    """Our reference tables + apply_rope(interleaved=True) against modeling_glm4's own, forward and gradients."""
+def test_glm_rope_matches_transformers(D, factor, impl, dtype):
+    """Our tables + apply_rope(interleaved=True) (the reference, and the Triton kernel under the interpreter)
+    against modeling_glm4's own, forward and gradients."""
     from transformers import Glm4Config
     from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding, apply_rotary_pos_emb
     from glm_lora.kernels import reference as ref
+    apply_rope = {"reference": ref.apply_rope, "triton": _triton_rope}[impl]
     B, H, Hkv, T = 2, 3, 1, 7
     cfg = Glm4Config(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                      max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
@@ -213,7 +222,7 @@ def test_glm_rope_matches_transformers(D, factor, dtype):
     k = torch.randn(B, Hkv, T, D, generator=g, dtype=dtype, requires_grad=True)
     cos, sin = ref.rope_cos_sin(pos, int(D * factor), 500.0, interleaved=True)
     hcos, hsin = Glm4RotaryEmbedding(cfg)(q, pos)            # rotate-half tables; GLM re-lays them inside
-    oq, ok = ref.apply_rope(q, k, cos, sin, interleaved=True)
+    oq, ok = apply_rope(q, k, cos.to(dtype), sin.to(dtype), True)
     tq, tk = apply_rotary_pos_emb(q, k, hcos, hsin)
     torch.testing.assert_close(oq, tq, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ok, tk, atol=1e-6, rtol=1e-6)
@@ -225,23 +234,18 @@ def test_glm_rope_matches_transformers(D, factor, dtype):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_rope_dispatch_never_sends_glm_rope_to_the_triton_kernel(monkeypatch):
-    """The Triton kernel rotates whole heads in halves only: interleaved or partial tables must take the
-    reference even with kernels: triton; plain rotate-half still takes the kernel."""
+def test_rope_dispatch_sends_every_layout_to_the_triton_kernel(monkeypatch):
+    """kernels: triton takes the kernel for GLM's interleaved and partial tables as for whole-head halves."""
     from glm_lora import kernels
     calls = []
-    monkeypatch.setattr(kernels, "_triton_op", lambda name: (calls.append(name), lambda *a: "triton")[1])
+    monkeypatch.setattr(kernels, "_triton_op", lambda name: (calls.append(name), lambda *a: a[-1])[1])
     q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)
     pos = torch.arange(5)[None]
     with kernels.using("triton"):
-        for rotary, interleaved in ((16, True), (8, True), (8, False)):
+        for rotary, interleaved in ((16, True), (8, True), (8, False), (16, False)):
             cos, sin = kernels.rope_cos_sin(pos, rotary, 1e4, interleaved=interleaved)
-            out = kernels.apply_rope(q, k, cos, sin, interleaved=interleaved)
-            expected = kernels.reference.apply_rope(q, k, cos, sin, interleaved)
-            torch.testing.assert_close(out[0], expected[0])
-        assert calls == []
-        cos, sin = kernels.rope_cos_sin(pos, 16, 1e4)
-        assert kernels.apply_rope(q, k, cos, sin) == "triton" and calls == ["apply_rope"]
+            assert kernels.apply_rope(q, k, cos, sin, interleaved=interleaved) is interleaved
+    assert calls == ["apply_rope"] * 4
 
 
 @pytest.mark.parametrize("arch", ["glm", "glm4"])

@@ -129,6 +129,21 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
 
     model.hidden_states = hidden_states             # an instance attribute shadows the method
     try:
-        yield info
+        with _deterministic():
+            yield info
     finally:
         del model.hidden_states
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """torch's deterministic mode while the compiled graphs are built and run: inductor otherwise lowers
+    accumulating index_puts (the trained embedding's backward) to parallel atomic adds on the CPU, whose
+    summation order — and so the trained weights, and the answers — changed from one run to the next.
+    warn_only: an op with no deterministic kernel warns instead of failing the stage."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -141,9 +141,10 @@ def _deterministic() -> Iterator[None]:
     accumulating index_puts (the trained embedding's backward) to parallel atomic adds on the CPU, whose
     summation order — and so the trained weights, and the answers — changed from one run to the next.
     warn_only: an op with no deterministic kernel warns instead of failing the stage."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

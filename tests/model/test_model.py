@@ -196,11 +196,6 @@ def test_glm_config_defaults_and_rotary_dim():
 
 # ---------------------------------------------------------------- GLM RoPE: interleaved, partial
 
-def _triton_rope(*args):
-    from glm_lora.kernels.triton_rope import apply_rope
-    return apply_rope(*args)
-
-
 # The Triton kernel computes in fp32 whatever the input dtype, so it is held to fp32 inputs.
 @pytest.mark.parametrize("impl, dtype", [("reference", torch.float32), ("reference", torch.float64),
                                          ("triton", torch.float32)])
@@ -210,8 +205,8 @@ def test_glm_rope_matches_transformers(D, factor, impl, dtype):
     against modeling_glm4's own, forward and gradients."""
     from transformers import Glm4Config
     from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding, apply_rotary_pos_emb
-    from glm_lora.kernels import reference as ref
-    apply_rope = {"reference": ref.apply_rope, "triton": _triton_rope}[impl]
+    from glm_lora.kernels import reference as ref, triton_rope
+    apply_rope = {"reference": ref.apply_rope, "triton": triton_rope.apply_rope}[impl]
     B, H, Hkv, T = 2, 3, 1, 7
     cfg = Glm4Config(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                      max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0,

@@ -2,7 +2,7 @@
 over the files of a `CheckpointManager` (engine/checkpoint_store.py: the on-disk format, atomic
 publishing, verification, background writes).
 
-The loop sees three calls: `restore(model, opt) -> TrainState | None` on start, `maybe_save(...)` at
+The loop sees three calls: `restore(model, opt, max_steps) -> TrainState | None` on start, `maybe_save(...)` at
 each step boundary, `save_best(...)` / `restore_best(...)` around validation. Everything a resume
 needs is behind them: the config compatibility check, weight matching, optimizer and RNG restore,
 file verification. `Checkpointer.for_stage` is the one place that decides which directory a
@@ -302,8 +302,9 @@ class Checkpointer:
         A resume must match `run_config` (refused naming the key): the model's shape (`model.config`)
         when the stage trains all of it, else the LoRA settings; the input artifacts, seq_len,
         batch_size and packing. The directory is named by a hash of everything that shapes the run: the
-        stage's section except max_steps/log_every (a changed max_steps resumes), the model section,
-        device, precision, kernels, attention and the inputs; any other change starts a fresh directory.
+        stage's section except max_steps/log_every (a raised max_steps resumes; one lowered below the newest
+        checkpoint is refused by `restore`), the model section, device, precision, kernels, attention and the
+        inputs; any other change starts a fresh directory.
         The number of processes (`dist`) is not part of it: a checkpoint of N ranks resumes on M.
         """
         digests = [read_manifest(p)["digest"] for p in inputs]
@@ -312,13 +313,16 @@ class Checkpointer:
 
     # ---- resume
 
-    def restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> TrainState | None:
+    def restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                max_steps: int | None = None) -> TrainState | None:
         """Load the newest verified checkpoint into `model` (trainable weights) and `opt`, restore every
         RNG and the best weights so far; None if there is none or checkpoint.resume is never.
+        A checkpoint past `max_steps` (a longer run's, since max_steps is not part of the directory) is refused:
+        resuming it would end at once and hand the longer run's weights on as this run's.
         Several ranks: rank 0 picks and verifies it, every rank loads it (and raises what rank 0 raised)."""
         if self.store is None or self.cfg.resume != "auto":
             return None
-        c = self._pick(model)
+        c = self._pick(model, max_steps)
         if c is None:
             return None
         self._load_weights(model, opt, c)
@@ -336,12 +340,12 @@ class Checkpointer:
             self._load_best(state.best_step)
         return state
 
-    def _pick(self, model: torch.nn.Module) -> Checkpoint | None:
+    def _pick(self, model: torch.nn.Module, max_steps: int | None) -> Checkpoint | None:
         """The checkpoint to resume from, on every rank: rank 0 picks and verifies it, the others read it."""
         d = self.dist
         if d is None:
-            return self._newest(model)
-        picked = d.on_main(lambda: self._newest(model), share=lambda c: c and (c.step, str(c.path)))
+            return self._newest(model, max_steps)
+        picked = d.on_main(lambda: self._newest(model, max_steps), share=lambda c: c and (c.step, str(c.path)))
         return picked if d.main or picked is None else self.store.load(*picked)
 
     def _own_states(self, c: Checkpoint) -> tuple[dict | None, int, int]:
@@ -358,7 +362,7 @@ class Checkpointer:
         else:
             self._best = self.store.load_best(step)
 
-    def _newest(self, model: torch.nn.Module) -> Checkpoint | None:
+    def _newest(self, model: torch.nn.Module, max_steps: int | None) -> Checkpoint | None:
         """The newest verified checkpoint if a resume may use it (None if there is none)."""
         c = self.store.latest()
         if c is None:
@@ -376,6 +380,13 @@ class Checkpointer:
         if missing:
             raise IncompatibleResumeError(
                 f"{self.name}: checkpoint {c.path} weights differ from the model's: {missing[:5]}")
+        if max_steps is not None and c.step > max_steps:
+            made_by = c.trainer_state.get("max_steps")
+            raise IncompatibleResumeError(
+                f"{self.name}: the checkpoint in {c.path} is at step {c.step}, past max_steps {max_steps}"
+                f"{f' (a {made_by}-step run made it)' if made_by else ''}; a shorter run can't continue from it. "
+                f"Delete {c.path.parent} to train {max_steps} steps from the start, or set max_steps to {c.step} "
+                "or more to keep that run's weights.")
         return c
 
     def _load_weights(self, model: torch.nn.Module, opt: torch.optim.Optimizer, c: Checkpoint) -> None:

@@ -247,7 +247,7 @@ def train(model: torch.nn.Module, loss_fn: LossFn, make_batches: Callable[[dict 
                           lora_b_lr_ratio=cfg.lora.b_lr_ratio if hasattr(cfg, "lora") else 1.0)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    state = ckpt.restore(model, opt) or TrainState()
+    state = ckpt.restore(model, opt, cfg.max_steps) or TrainState()
     validating = validate is not None and cfg.eval_every > 0
     batches, window, summary = make_batches(state.data_state), Window(world_size=d and d.world_size), {}
     with ckpt, StopRequest() as stop, (contextlib.closing(batches) if hasattr(batches, "close")

@@ -271,6 +271,28 @@ def test_train_overfits_a_fixed_batch(tmp_path):
     assert m.training
 
 
+def test_a_run_lowered_below_its_checkpoint_is_refused_and_a_raised_one_resumes(tmp_path):
+    """max_steps is not part of a stage's checkpoint directory (a raised max_steps continues the run), so a shorter
+    run finds the longer run's checkpoint: resuming it would stop at once and pass the longer run's weights on as
+    the shorter run's. It is refused before any step, naming the step, max_steps and the directory to delete."""
+    from glm_lora.configs.schema import CheckpointConfig
+    from glm_lora.engine.checkpoint import Checkpointer, IncompatibleResumeError
+
+    def run(max_steps):
+        m = tiny()
+        ckpt = Checkpointer(tmp_path, CheckpointConfig(save_every=2, async_save=False), name="sft")
+        steps = []
+        train(m, causal_lm_loss, lambda _: itertools.repeat(batch()), cfg(max_steps=max_steps), CPU,
+              checkpointer=ckpt, on_log=lambda s: steps.append(s["step"]))
+        return steps
+
+    assert run(6) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(IncompatibleResumeError, match=r"step 6, past max_steps 4 \(a 6-step run made it\)") as e:
+        run(4)
+    assert str(tmp_path) in str(e.value)
+    assert run(6) == [] and run(8) == [7, 8]            # finished: nothing to do; raised: continues
+
+
 def test_train_logs_window_means():
     m = tiny()
     logs = []

@@ -282,8 +282,10 @@ def test_a_qlora_run_exports_merged_models_and_serves_them_not_the_adapters(prep
     from glm_lora.flows.cli import run_one_stage
     from glm_lora.model.adapters import BASE_QUANTIZATION, NF4_BNB_CONFIG, apply_adapter, load_native, vllm_unservable
     from glm_lora.serve.deploy import serving_plan
+    # SMALL's 40 SFT steps: after the test above, its nf4 run's last checkpoint (step 40, the same checkpoint
+    # directory) is this stage's, so no step runs again (a shorter run would be refused that checkpoint)
     cfg = load_config("tiny", {**SMALL, "runs_dir": str(prepared.runs_dir), "sft.lora.quantization": "nf4",
-                               "dpo.lora.quantization": "nf4", "sft.max_steps": 10, "dpo.max_steps": 4,
+                               "dpo.lora.quantization": "nf4", "dpo.max_steps": 4,
                                "dpo.batch_size": 4, "dpo.eval_every": 0})
     for stage in ("sft", "dpo", "export"):
         run_one_stage(stage, cfg)

@@ -22,10 +22,17 @@ def document_block_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None 
     return create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, _compile=True)
 
 
+def _heads_last(q, k, v, block_mask, enable_gqa):
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa).transpose(1, 2)
+
+
 @functools.cache
 def _compiled():
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(_heads_last, dynamic=False)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
-    return _compiled()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    """(B, H, T, D) like q, laid out (B, T, H, D). The compiled graph returns the (B, T, H, D) view: its
+    gradient then arrives contiguous (the o-projection's input, reshaped), where a (B, H, T, D) output made
+    AOTAutograd copy the incoming gradient to contiguous (B, H, T, D) in every layer's backward."""
+    return _compiled()(q, k, v, mask, k.shape[1] != q.shape[1]).transpose(1, 2)

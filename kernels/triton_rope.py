@@ -36,6 +36,26 @@ def _rotate_heads(
 
 
 @triton.jit
+def _rotate_heads_interleaved(
+    X, O, sx_h, sx_d, so_h, so_d, n_heads, half, head_dim, c1, c2, s1, s2,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """GLM's pairs (2j, 2j + 1): each head's row is loaded and stored whole, contiguous, and split into its pairs
+    in registers (loading the even and odd dims apart read every other element twice over). Pairs past `half`
+    (partial rotary) pass through as loaded."""
+    h = tl.arange(0, BLOCK_H)[:, None, None]
+    j = tl.arange(0, BLOCK_P)[None, :, None]
+    d = 2 * j + tl.arange(0, 2)[None, None, :]
+    mask = (h < n_heads) & (d < head_dim)
+    x = tl.load(X + h * sx_h + d * sx_d, mask=mask, other=0.0)
+    x1, x2 = tl.split(x.to(tl.float32))
+    o1 = x1 * c1[None, :] - x2 * s1[None, :]
+    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    rotated = tl.join(o1, o2).to(O.dtype.element_ty)
+    tl.store(O + h * so_h + d * so_d, tl.where(j < half, rotated, x), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN,
     sq_b, sq_h, sq_t, sq_d,
@@ -52,7 +72,7 @@ def _rope_kernel(
     t = pid % T
     i = tl.arange(0, BLOCK_D)       # one pair of rotated dims each: (2i, 2i + 1) interleaved, (i, i + half) halves
     pair_mask = i < half
-    if INTERLEAVED:
+    if INTERLEAVED:                 # (BLOCK_D covers every pair of the head: the rows are rotated whole)
         d1 = 2 * i
         d2 = d1 + 1
     else:
@@ -70,11 +90,17 @@ def _rope_kernel(
         s1_fwd = s1
         s1 = -s2
         s2 = -s1_fwd
-    rotary = 2 * half
-    _rotate_heads(Q + b * sq_b + t * sq_t, QO + b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
-                  n_q_heads, rotary, head_dim, d1, d2, pair_mask, c1, c2, s1, s2, BLOCK_QH, BLOCK_PASS)
-    _rotate_heads(K + b * sk_b + t * sk_t, KO + b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
-                  n_k_heads, rotary, head_dim, d1, d2, pair_mask, c1, c2, s1, s2, BLOCK_KH, BLOCK_PASS)
+    if INTERLEAVED:
+        _rotate_heads_interleaved(Q + b * sq_b + t * sq_t, QO + b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
+                                  n_q_heads, half, head_dim, c1, c2, s1, s2, BLOCK_QH, BLOCK_D)
+        _rotate_heads_interleaved(K + b * sk_b + t * sk_t, KO + b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
+                                  n_k_heads, half, head_dim, c1, c2, s1, s2, BLOCK_KH, BLOCK_D)
+    else:
+        rotary = 2 * half
+        _rotate_heads(Q + b * sq_b + t * sq_t, QO + b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
+                      n_q_heads, rotary, head_dim, d1, d2, pair_mask, c1, c2, s1, s2, BLOCK_QH, BLOCK_PASS)
+        _rotate_heads(K + b * sk_b + t * sk_t, KO + b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
+                      n_k_heads, rotary, head_dim, d1, d2, pair_mask, c1, c2, s1, s2, BLOCK_KH, BLOCK_PASS)
 
 
 def _heads_last_empty(x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +118,9 @@ def _rope(q, k, cos, sin, interleaved, backward):
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         T, H, Hkv, R // 2, D,
         BACKWARD=backward, INTERLEAVED=interleaved, BLOCK_QH=triton.next_power_of_2(H),
-        BLOCK_KH=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(R // 2),
-        BLOCK_PASS=triton.next_power_of_2(D - R) if D > R else 0, num_warps=4,
+        BLOCK_KH=triton.next_power_of_2(Hkv),
+        BLOCK_D=triton.next_power_of_2(triton.cdiv(D, 2) if interleaved else R // 2),
+        BLOCK_PASS=triton.next_power_of_2(D - R) if D > R and not interleaved else 0, num_warps=4,
     )
     return qo, ko
 

@@ -73,6 +73,19 @@ def test_rope_interleaved_arbitrary_tables():
     check_rope(apply_rope, q, k, cos, sin, TOL[torch.float32], interleaved=True)
 
 
+@pytest.mark.parametrize("interleaved, R", [(False, 16), (False, 8), (True, 8)])
+def test_rope_heads_split_over_programs(monkeypatch, interleaved, R):
+    # Wide heads × dims (GLM-4-9B: 32 × 128) are split into blocks of heads, one program each: here blocks of
+    # 2 heads of 16 dims, q's 5 heads in three (the last one ragged) and k's 3 in two.
+    import glm_lora.kernels.triton_rope as triton_rope
+    monkeypatch.setattr(triton_rope, "HEAD_TILE", 32)
+    B, H, Hkv, T, D = 2, 5, 3, 4, 16
+    q, k = rope_projection(B, T, H, D, torch.float32, seed=16), rope_projection(B, T, Hkv, D, torch.float32, seed=17)
+    gen = torch.Generator().manual_seed(18)
+    cos, sin = torch.randn(B, T, R, generator=gen), torch.randn(B, T, R, generator=gen)
+    check_rope(apply_rope, q, k, cos, sin, TOL[torch.float32], interleaved=interleaved)
+
+
 def test_rope_rejects_bad_shapes():
     q, k = torch.ones(1, 2, 3, 6), torch.ones(1, 1, 4, 6)
     cos = sin = torch.ones(1, 3, 6)

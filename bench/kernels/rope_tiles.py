@@ -11,12 +11,11 @@ import sys
 import torch
 
 from bench.kernels.rms_norm import measure
+from bench.kernels.rope import B, HEADS, T
 from glm_lora.kernels import reference as ref
 from glm_lora.kernels import triton_rope
 
-B, T, MEASURES = 8, 2048, 5
-# (q heads, kv heads, head_dim, rotary dims, interleaved), as bench.kernels.rope
-LAYOUTS = ((12, 12, 64, 64, False), (32, 4, 64, 64, False), (16, 4, 128, 128, False), (32, 2, 128, 64, True))
+MEASURES = 5
 
 
 def main(tag: str, tiles: list[int | None]) -> None:
@@ -24,7 +23,7 @@ def main(tag: str, tiles: list[int | None]) -> None:
     for tile in tiles:
         if tile is not None:
             triton_rope.HEAD_TILE = tile
-        for H, Hkv, D, R, interleaved in LAYOUTS:
+        for H, Hkv, D, R, interleaved in HEADS:
             q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
             k = torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
             q.requires_grad_(True), k.requires_grad_(True)

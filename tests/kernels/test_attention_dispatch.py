@@ -43,3 +43,21 @@ def test_cpu_keeps_the_dense_mask_and_auto_attention_matches_reference():
     out = kernels.attention(q, k, v, kernels.AutoDocumentMask(doc_ids))
     ref = reference.attention(q, k, v, reference.document_causal_mask(doc_ids))
     assert torch.allclose(out, ref)
+
+
+def test_flex_compiled_graph_returns_heads_last_so_its_gradient_needs_no_copy():
+    """The compiled FlexAttention graph returns (B, T, H, D), contiguous: the gradient flowing back into it (the
+    o-projection's input gradient) is then already in its output's layout, where a (B, H, T, D) output had
+    AOTAutograd copy it to contiguous in every layer's backward (1B SFT on an H100: 16 copies a step). The
+    caller still gets (B, H, T, D) with the dense reference's values. (CPU forward; the backward is GPU-tested.)"""
+    import torch
+    from glm_lora.kernels import flex, reference
+    B, H, Hkv, T, D = 2, 4, 2, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen).transpose(1, 2) for h in (H, Hkv, Hkv))
+    doc = torch.cumsum((torch.rand(B, T, generator=gen) < 0.05).long(), 1)
+    mask = flex.document_block_mask(doc)
+    graph_out = flex._compiled()(q, k, v, mask, True)
+    assert graph_out.shape == (B, T, H, D) and graph_out.is_contiguous()
+    out = flex.attention(q, k, v, mask)
+    torch.testing.assert_close(out, reference.attention(q, k, v, reference.document_causal_mask(doc)))

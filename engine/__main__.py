@@ -24,10 +24,8 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from glm_lora import kernels
 from glm_lora.configs import load_config, parse_value
@@ -68,26 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         if d is not None:
-            _end_rank(2)
+            dist.end_rank(2)
         return 2
     if d is None or d.main:
         print(json.dumps(metrics, default=str))
     if d is not None:
-        _end_rank(0)
+        dist.end_rank(0)
     return 0
-
-
-def _end_rank(status: int) -> NoReturn:
-    """How a torchrun rank ends, after its last collective: streams flushed, then out without the interpreter's
-    teardown. Destroying the process group and finalising the interpreter while gloo's C++ threads hold work can
-    abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291 describes
-    the race) — CI saw it once after a user error and once after a two-rank FSDP2 RL stage had finished and passed
-    the final barrier — and torchrun then reports the abort instead of this rank's status. Nothing is left to
-    tear down: every rank is past its last collective and the stage's files are written and closed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Under torchrun (WORLD_SIZE in the environment) `python -m glm_lora.engine` calls `init()` — one process group
 (NCCL on CUDA with each rank on cuda:LOCAL_RANK and gloo beside it for CPU collectives; gloo on CPU) —
-runs the stage with `Runtime.dist` set, and `shutdown()`s. Without WORLD_SIZE nothing here runs and
+runs the stage with `Runtime.dist` set, and ends each rank with `end_rank()`. Without WORLD_SIZE nothing here runs and
 the stage is the plain one-process path. Only rank 0 logs, writes the stage's files and its metrics.
 
 Strategies (`dist.strategy`; `strategy_for`):
@@ -37,9 +37,10 @@ import contextlib
 import logging
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as tdist
@@ -222,11 +223,17 @@ def current() -> Dist | None:
     return _CURRENT
 
 
-def shutdown() -> None:
-    global _CURRENT
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
-    _CURRENT = None
+def end_rank(status: int) -> NoReturn:
+    """How a torchrun rank ends, after its last collective: streams flushed, then out without the interpreter's
+    teardown. Destroying the process group and finalising the interpreter while gloo's C++ threads hold work can
+    abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291 describes
+    the race) — CI saw it once after a user error and once after a two-rank FSDP2 RL stage had finished and passed
+    the final barrier — and torchrun then reports the abort instead of this rank's status. The caller has nothing
+    left to tear down: every rank is past its last collective and its files are written and closed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def injected_failure(rank: int, step: int) -> None:

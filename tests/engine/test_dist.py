@@ -389,7 +389,7 @@ torch.testing.assert_close(off, plain_off, atol=1e-5, rtol=1e-5)
 assert (on - off).abs().max() > 1e-3
 import json, sys
 open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps(sorted({s[0] for s in seen})))
-dist.shutdown()
+dist.end_rank(0)
 '''
 
 
@@ -448,7 +448,7 @@ grad = experts.down_proj.lora_A.weight.grad.full_tensor()
 torch.testing.assert_close(grad, plain.model.layers[1].mlp.experts.down_proj.lora_A.weight.grad, atol=1e-5, rtol=1e-4)
 assert experts.base_layer.down_proj.grad is None
 open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(loss)}))
-dist.shutdown()
+dist.end_rank(0)
 '''
 
 

@@ -5,6 +5,7 @@ bf16 autocast, fused AdamW):
   SFT  ours_flex          our Decoder, packed 8 × 2048 rows, kernels "auto", FlexAttention block mask; the
                           frozen base as a LoRA stage holds it (bf16 GEMM weights on CUDA, engine/adapter_stage.py)
        ours_sdpa          the same with the dense document mask + SDPA
+       ours_varlen        the same with FlashAttention's varlen kernels, each document its own sequence
        ours_*_fp32base    the same with the frozen base in fp32 (cast by autocast at every use: before 2026-12-03)
        ours_*_nogroup     the same with q/k/v and gate/up each its own LoRA linear (before 2026-12-04), not
                           one stacked op per input (kernels.lora_linear_group; DPO's reference pass: stacked_linear)
@@ -64,9 +65,9 @@ from glm_lora.model import inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
-SFT = ("ours_flex", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
+SFT = ("ours_flex", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
        "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
-DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_flex_fp32base", "ours_sdpa_fp32base",
+DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base",
        "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
        "ours_flex_simpo", "ours_flex_orpo", "ours_flex_shared", "ours_sdpa_shared")
 T0 = time.perf_counter()
@@ -94,7 +95,7 @@ def our_kernels(name: str):
     """kernels "auto" with the provider's attention; `*_nogroup`: sibling projections each on its own;
     `*_unfusednorm`: residual adds and norms as before bench.workloads.norms_fused."""
     with siblings_stacked(not name.endswith("_nogroup")), norms_fused(not name.endswith("_unfusednorm")), \
-            kernels.using("auto", "flex" if name.startswith("ours_flex") else "sdpa"):
+            kernels.using("auto", name.split("_")[1]):
         yield
 
 
@@ -297,7 +298,7 @@ def attention_micro(doc_ids: torch.Tensor, device, deadline) -> dict:
         grad = torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16, generator=g)
         real = (doc_ids > 0)[:, None, :, None]
         row, outs = {}, {}
-        for kind in ("flex", "sdpa", "auto"):
+        for kind in ("flex", "sdpa", "varlen", "auto"):
             with kernels.using("auto", kind):
                 mask = kernels.document_causal_mask(doc_ids)
                 o = kernels.attention(q, k, v, mask)
@@ -313,6 +314,8 @@ def attention_micro(doc_ids: torch.Tensor, device, deadline) -> dict:
                 row[f"{kind}_mask_ms"] = do_bench(lambda: kernels.document_causal_mask(doc_ids), warmup=10, rep=50,
                                                   return_mode="median")
         row["flex_vs_sdpa_time"] = row["flex_fwd_bwd_ms"] / row["sdpa_fwd_bwd_ms"]
+        row["varlen_vs_flex_time"] = row["varlen_fwd_bwd_ms"] / row["flex_fwd_bwd_ms"]
+        row["varlen_max_abs_diff_vs_sdpa"] = float(((outs["varlen"] - outs["sdpa"]) * real).abs().max())
         row["auto_max_abs_diff_vs_sdpa"] = float(((outs["auto"] - outs["sdpa"]) * real).abs().max())
         out[f"H{H}/{Hkv} D{D}"] = row
         print(f"  attention H{H}/{Hkv} D{D}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})}",
@@ -322,7 +325,7 @@ def attention_micro(doc_ids: torch.Tensor, device, deadline) -> dict:
 
 def compare(rows: dict) -> dict:
     """Ours (the faster of flex / sdpa, and each) vs the anchors, with the issue's targets."""
-    best = max((p for p in ("ours_flex", "ours_sdpa") if "real_tokens_per_s" in rows.get(p, {})),
+    best = max((p for p in ("ours_flex", "ours_sdpa", "ours_varlen") if "real_tokens_per_s" in rows.get(p, {})),
                key=lambda p: rows[p]["real_tokens_per_s"], default=None)
     if best is None:
         return {}
@@ -344,7 +347,7 @@ def compare(rows: dict) -> dict:
     if "tokens_per_s_vs_b" in out:
         out["target_b_met"] = out["tokens_per_s_vs_b"] >= 8
     a = rows.get("hf_liger_packed", {})
-    for p in ("ours_flex", "ours_sdpa", "ours_flex_shared", "ours_sdpa_shared"):    # DPO: the same pairs, per second
+    for p in ("ours_flex", "ours_sdpa", "ours_varlen", "ours_flex_shared", "ours_sdpa_shared"):    # DPO: the same pairs, per second
         if "pairs_per_s" in rows.get(p, {}) and "pairs_per_s" in a:
             out[f"{p}_pairs_per_s_vs_a"] = rows[p]["pairs_per_s"] / a["pairs_per_s"]
             out[f"{p}_p50_step_pairs_per_s_vs_a"] = rows[p]["p50_step_pairs_per_s"] / a["p50_step_pairs_per_s"]

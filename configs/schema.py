@@ -485,7 +485,7 @@ class Config(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32
     kernels: Literal["auto", "reference", "triton"] = "auto"       # fused Triton ops or torch: kernels/__init__.py
-    attention: Literal["auto", "sdpa", "flex"] = "auto"            # packed-row attention: kernels/__init__.py
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"            # packed-row attention: kernels/__init__.py
     threads: int | None = None                                       # torch CPU threads; None = torch default
     base_model: Path | None = None    # local HF dir (Llama, Qwen2/3, GLM, GLM-4 layouts): skip tokenizer + pretrain
     data: DataConfig = DataConfig()

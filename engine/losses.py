@@ -45,7 +45,9 @@ def group_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, labels = _shifted(model, batch)
     logp = kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels)     # (B, T-1)
     docs = batch["doc_ids"][:, 1:].flatten()
-    n = int(batch["group_docs"].max()) + 1
+    # every document id is below this without a device→host sync: data.packing numbers a batch's documents
+    # 1, 2, … and each has a token or is in group_docs
+    n = batch["doc_ids"].numel() + batch["group_docs"].numel() + 1
     sums = logp.new_zeros(n).index_add(0, docs, logp.flatten())
     counts = torch.zeros(n, dtype=torch.long, device=docs.device).index_add(0, docs, (labels != IGNORE).flatten().long())
     return sums[batch["group_docs"]], counts[batch["group_docs"]]

@@ -27,7 +27,11 @@ GEMM (kernels/triton_grouped_mm.py) on CUDA, the per-expert loop of the referenc
 is the alternative that `GROUPED_MM_AUTO` (below) can switch "auto" to.
 
 Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
-"flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped). "auto" on CUDA picks
+"flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped); "varlen" FlashAttention's
+variable-length kernels, each document its own sequence (kernels/varlen.py; rows with shared prompts keep
+flex, bf16 / fp16 only, else the dense mask). varlen took 1.13–1.47× flex's attention time (fwd + bwd, H100,
+bf16, 8 × 2048 packed rows, at 12×64, 16/8×128, 6×128, 32/8×64 heads) and its 1B LoRA SFT / DPO step 1.05× /
+1.02× flex's (bench/RESULTS.md "The DPO step without host waits"), so "auto" never takes it. "auto" on CUDA picks
 per model, by `flex_pays` (the rule and its measurements are there), once the first attention call of
 a forward shows the attention's width (heads × head_dim); sdpa on CPU (FlexAttention has no CPU backward).
 
@@ -43,10 +47,10 @@ from typing import Iterator
 
 import torch
 
-from glm_lora.kernels import lora_group, moe, qlora, reference
+from glm_lora.kernels import lora_group, moe, qlora, reference, varlen
 
 BACKENDS = ("auto", "reference", "triton")
-ATTENTION = ("auto", "sdpa", "flex")
+ATTENTION = ("auto", "sdpa", "flex", "varlen")
 _MODULES = {"rms_norm": "triton_rms_norm", "add_rms_norm": "triton_rms_norm", "apply_rope": "triton_rope",
             "swiglu": "triton_swiglu", "swiglu_halves": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
@@ -149,7 +153,7 @@ def stacked_linear(x, weights, biases):
     """Sibling plain linears of one input (q/k/v, gate/up): one GEMM over the stacked weights, their outputs side
     by side on the last dim."""
     bias = None if biases[0] is None else torch.cat(list(biases))
-    return torch.nn.functional.linear(x, torch.cat(list(weights)), bias)
+    return torch.nn.functional.linear(x, lora_group.stack_rows(list(weights)), bias)
 
 
 def dequantize_nf4(packed, absmax_codes, nested_absmax, offset, code, nested_code, dtype):
@@ -239,13 +243,36 @@ class AutoDocumentMask:
         return self.mask
 
 
+_last_mask: list = []      # [(key, mask)]: see document_causal_mask
+
+
 def document_causal_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None = None):
     """A mask object for `attention`: a dense bool mask ("sdpa", or anything on CPU), a FlexAttention
-    BlockMask ("flex" on CUDA), or an AutoDocumentMask ("auto" on CUDA) that becomes one of the two.
-    `prefix_docs` (data.packing's shared prompts): each token also sees the whole document it names."""
+    BlockMask ("flex" on CUDA, and "varlen" with shared prompts), varlen.Documents ("varlen" on CUDA), or an
+    AutoDocumentMask ("auto" on CUDA) that becomes a dense or a block mask.
+    `prefix_docs` (data.packing's shared prompts): each token also sees the whole document it names.
+
+    The mask last built comes back while the same tensors return unchanged (same objects, same in-place
+    version, same attention choice): DPO's policy and reference forwards over one batch build it once, where
+    FlexAttention's block mask costs ~3 ms a build, mostly host time the GPU waits for."""
+    if torch.compiler.is_compiling():
+        return _document_causal_mask(doc_ids, prefix_docs)
+    state = (doc_ids._version, None if prefix_docs is None else prefix_docs._version, _ATTENTION)
+    if _last_mask:
+        (ids, prefix, last_state), mask = _last_mask[0]
+        if ids is doc_ids and prefix is prefix_docs and last_state == state:
+            return mask
+    mask = _document_causal_mask(doc_ids, prefix_docs)
+    _last_mask[:] = [((doc_ids, prefix_docs, state), mask)]
+    return mask
+
+
+def _document_causal_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None):
     if not doc_ids.is_cuda or _ATTENTION == "sdpa":
         return reference.document_causal_mask(doc_ids, prefix_docs)
-    if _ATTENTION == "flex":
+    if _ATTENTION == "varlen" and prefix_docs is None:
+        return varlen.documents(doc_ids)
+    if _ATTENTION in ("flex", "varlen"):
         from glm_lora.kernels import flex
         return flex.document_block_mask(doc_ids, prefix_docs)
     return AutoDocumentMask(doc_ids, prefix_docs)
@@ -254,6 +281,10 @@ def document_causal_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     if isinstance(mask, AutoDocumentMask):
         mask = mask.resolve(q)
+    if isinstance(mask, varlen.Documents):
+        if q.dtype in varlen.DTYPES:
+            return varlen.attention(q, k, v, mask)
+        mask = reference.document_causal_mask(mask.doc_ids)
     if mask is not None and not isinstance(mask, torch.Tensor):
         from glm_lora.kernels import flex
         return flex.attention(q, k, v, mask)

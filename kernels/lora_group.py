@@ -58,6 +58,28 @@ class LoRAGroupFunction(torch.autograd.Function):
         return (dx, None, da, None, None, *dbs)
 
 
+def stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The 2-D tensors one above another, in `dtype` (default: the first's): a view where they already are
+    consecutive row blocks of one contiguous storage in that dtype (model.lora.share_frozen_storage lays frozen
+    siblings out so), a new tensor (torch.cat) otherwise."""
+    first = tensors[0]
+    dtype = dtype or first.dtype
+    if not torch.compiler.is_compiling() and _consecutive_rows(tensors, dtype):
+        return first.as_strided((sum(t.shape[0] for t in tensors), first.shape[1]), first.stride())
+    return torch.cat([t.to(dtype) for t in tensors])
+
+
+def _consecutive_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if not (t.dtype == dtype and t.dim() == 2 and t.shape[1] == first.shape[1] and t.is_contiguous()
+                and t.untyped_storage().data_ptr() == storage and t.storage_offset() == offset):
+            return False
+        offset += t.numel()
+    return True
+
+
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
                       lora_bs: list[torch.Tensor], scale: float) -> torch.Tensor:
     """[x W_iᵀ + scale · x A_iᵀ B_iᵀ for each sibling i] side by side on the last dim (..., Σ out_i), with W_i
@@ -69,7 +91,7 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], lora_as: lis
                          "or use kernels.reference.lora_linear_group")
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    weight = torch.cat([w.to(dtype) for w in weights])
+    weight = stack_rows(weights, dtype)
     lora_a = torch.cat([a.to(dtype) for a in lora_as])
     ranks = tuple(a.shape[0] for a in lora_as)
     with torch.autocast(device_type, enabled=False):

@@ -307,13 +307,33 @@ def check_nf4_blocks(model: nn.Module, names: list[str], key: str = "lora.quanti
 
 def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:
     """The frozen weights of every linear layer and routed-experts stack (the GEMM operands) in `dtype`; the
-    adapter, modules_to_save, norms and embeddings keep theirs."""
+    adapter, modules_to_save, norms and embeddings keep theirs. Sibling LoRA linears of one input (a module's
+    SIBLINGS: q/k/v, gate/up) then hold their weights as row blocks of one tensor."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, LoRALinear, Experts)):
             for name in ("weight", "gate_up_proj", "down_proj"):
                 p = getattr(m, name, None)
                 if isinstance(p, nn.Parameter) and not p.requires_grad:
                     p.data = p.data.to(dtype)
+    for m in list(model.modules()):
+        for names in getattr(type(m), "SIBLINGS", ()):
+            share_frozen_storage([getattr(m, n, None) for n in names])
+
+
+def share_frozen_storage(siblings: list) -> None:
+    """The siblings' frozen weights as consecutive row blocks of one tensor (values unchanged), so the stacked op
+    over them (kernels.lora_linear_group, stacked_linear) takes a view instead of concatenating them at every
+    call (kernels.lora_group.stack_rows). LoRALinear siblings with dense weights of one dtype only: merge_lora
+    replaces every one of those weights, so no saved model holds two views of one storage (safetensors refuses
+    that)."""
+    if not all(type(s) is LoRALinear and s.nf4 is None for s in siblings):
+        return
+    weights = [s.weight for s in siblings]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return
+    stacked = torch.cat([w.detach() for w in weights])
+    for s, rows in zip(siblings, stacked.split([w.shape[0] for w in weights])):
+        s.weight = nn.Parameter(rows, requires_grad=False)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:

@@ -216,6 +216,8 @@ def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 class Attention(nn.Module):
+    SIBLINGS = (("q_proj", "k_proj", "v_proj"),)     # projections of one input, run as one op where `stacks`
+
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx                  # its slot in a KVCache
@@ -249,6 +251,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    SIBLINGS = (("gate_proj", "up_proj"),)
+
     def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size

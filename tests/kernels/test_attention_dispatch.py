@@ -61,3 +61,43 @@ def test_flex_compiled_graph_returns_heads_last_so_its_gradient_needs_no_copy():
     assert graph_out.shape == (B, T, H, D) and graph_out.is_contiguous()
     out = flex.attention(q, k, v, mask)
     torch.testing.assert_close(out, reference.attention(q, k, v, reference.document_causal_mask(doc)))
+
+
+def test_varlen_sequences_are_the_documents_of_each_row():
+    from glm_lora.kernels import varlen
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [2, 2, 5, 5, 5, 5, 0], [7, 7, 7, 7, 7, 7, 7]])
+    docs = varlen.documents(doc_ids)
+    # row 0: docs 1 | 2 | padding; row 1 starts a new sequence though it repeats row 0's id 2; row 2: one document
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 7, 9, 13, 14, 21]
+    assert docs.cu_seqlens.dtype == torch.int32 and docs.max_len == 7
+
+
+def test_varlen_outside_bf16_takes_the_dense_mask_with_the_same_documents():
+    from glm_lora.kernels import varlen
+    doc_ids = _doc_ids()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 8, generator=g) for h in (4, 2, 2))
+    out = kernels.attention(q, k, v, varlen.documents(doc_ids))         # fp32: FlashAttention has no fp32 kernels
+    assert torch.equal(out, reference.attention(q, k, v, reference.document_causal_mask(doc_ids)))
+    with kernels.using("auto", "varlen"):                               # and a CPU tensor gets the dense mask at once
+        assert isinstance(kernels.document_causal_mask(doc_ids), torch.Tensor)
+
+
+def test_a_mask_is_built_once_for_the_same_document_ids_and_again_when_they_change(monkeypatch):
+    """DPO's policy and reference forwards over one batch share the block mask; new ids, ids edited in place,
+    other shared prompts or another attention choice build a new one."""
+    built = []
+    monkeypatch.setattr(kernels, "_document_causal_mask", lambda d, p: built.append(d) or object())
+    doc_ids, prefix = _doc_ids(), torch.full((2, 6), -1)
+    first = kernels.document_causal_mask(doc_ids)
+    assert kernels.document_causal_mask(doc_ids) is first and len(built) == 1
+    assert kernels.document_causal_mask(doc_ids.clone()) is not first                 # equal values, new batch
+    assert kernels.document_causal_mask(doc_ids) is not first                         # and back: rebuilt
+    again = kernels.document_causal_mask(doc_ids)
+    doc_ids[0, 0] = 2
+    assert kernels.document_causal_mask(doc_ids) is not again                         # edited in place
+    with_prefix = kernels.document_causal_mask(doc_ids, prefix)
+    assert with_prefix is not again and kernels.document_causal_mask(doc_ids, prefix) is with_prefix
+    with kernels.using("auto", "flex"):
+        assert kernels.document_causal_mask(doc_ids, prefix) is not with_prefix
+    assert len(built) == 6

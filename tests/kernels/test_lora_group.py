@@ -162,3 +162,50 @@ def test_plain_siblings_stacked_match_one_by_one(layout, adapter, monkeypatch):
     assert adapter == "disabled" or "model.layers.0.self_attn.q_proj.weight" in g1
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_stack_rows_is_a_view_only_of_consecutive_row_blocks():
+    from glm_lora.kernels.lora_group import stack_rows
+    base = torch.arange(60.0).view(10, 6)
+    blocks = list(base.split([4, 2, 4]))
+    stacked = stack_rows(blocks)
+    assert stacked.data_ptr() == base.data_ptr() and torch.equal(stacked, base)
+    for other in (blocks[::-1], [blocks[0], blocks[2]], [b.clone() for b in blocks]):   # out of order, a gap, apart
+        out = stack_rows(other)
+        assert out.data_ptr() != base.data_ptr() and torch.equal(out, torch.cat(other))
+    half = stack_rows(blocks, torch.bfloat16)                    # another dtype: a cast copy
+    assert half.dtype == torch.bfloat16 and torch.equal(half, base.to(torch.bfloat16))
+
+
+def test_frozen_siblings_share_one_storage_and_train_and_save_as_before(tmp_path):
+    """cast_frozen_gemm_weights (a LoRA stage on the GPU) lays q/k/v and gate/up out as row blocks of one tensor:
+    the stacked op then takes a view of them, the loss and every adapter gradient are unchanged, and the merged
+    model still saves (safetensors refuses tensors that share memory)."""
+    from glm_lora.kernels.lora_group import stack_rows
+    from glm_lora.model.hf import save_hf
+    from glm_lora.model.lora import cast_frozen_gemm_weights, merge_lora
+    from safetensors.torch import load_file
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with kernels.using("triton"):
+            loss = model(ids).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    before = loss_and_grads()
+    cast_frozen_gemm_weights(model, torch.float32)
+    groups = [[l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj] for l in model.model.layers]
+    groups += [[l.mlp.gate_proj, l.mlp.up_proj] for l in model.model.layers]
+    for mods in groups:
+        assert stack_rows([m.weight for m in mods]).data_ptr() == mods[0].weight.data_ptr()
+        assert all(not m.weight.requires_grad for m in mods)
+    after = loss_and_grads()
+    assert torch.equal(before[0], after[0]) and before[1].keys() == after[1].keys()
+    for n in before[1]:
+        assert torch.equal(before[1][n], after[1][n]), n
+    merged_q = groups[0][0].merged_weight()
+    save_hf(merge_lora(model), tmp_path, bos_id=1, eos_id=2, pad_id=0)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(saved["model.layers.0.self_attn.q_proj.weight"], merged_q)

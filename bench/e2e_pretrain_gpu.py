@@ -13,6 +13,8 @@ Providers, all on the same token batches:
   ours_fused_compiled   kernels "auto" + torch.compile(model.hidden_states) (the blocks, where "auto" takes the torch
                         reference ops for inductor to fuse; the loss head stays our fused Triton op, eager: its
                         label filter is data-dependent); a compile error is recorded
+  ours_fused_cudagraphs the same compiled with mode="reduce-overhead": inductor's graphs replayed as CUDA graphs
+                        (cudagraph trees, forward and backward), one launch per graph instead of one per kernel
   ours_*_cudnn          the same with SDPA's causal attention on cuDNN's kernels (torch.nn.attention.sdpa_kernel;
                         torch's own order puts FlashAttention-2 first)
 MFU = tokens/s × (6·N_nonembedding + 12·L·h·seq) / 790e12, N_nonembedding without embed_tokens and
@@ -35,7 +37,7 @@ from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import DecoderConfig
 
 PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_nostack", "ours_fused_unfusednorm",
-             "ours_fused_compiled", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
+             "ours_fused_compiled", "ours_fused_cudagraphs", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
 BASE = "hf_eager"
 PEAK_FLOPS = 790e12
 MFU_FORMULA = "tokens/s * (6*N_nonembedding + 12*L*h*seq) / 790e12; N_nonembedding excludes embed_tokens and lm_head"
@@ -79,10 +81,13 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
             return fwd(input_ids=b["input_ids"], labels=b["labels"]).loss
     else:
         model = our_model(cfg, device)
-        if "compiled" in name:
-            model.hidden_states = torch.compile(model.hidden_states)
+        graphs = name.endswith("_cudagraphs")
+        if "compiled" in name or graphs:
+            model.hidden_states = torch.compile(model.hidden_states, mode="reduce-overhead" if graphs else "default")
 
         def loss_of(b):
+            if graphs:      # a new step: the previous replay's outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             return causal_lm_loss(model, b)[0]
     opt = build_optimizer(model, 3e-4, 0.1, fused=device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
@@ -106,7 +111,7 @@ def main() -> None:
                        "flops_per_token_incl_lm_head": per_token + 6 * cfg.hidden_size * vocab}
         rows = {}
         for p in selected(args, PROVIDERS):
-            if args.smoke and ("compiled" in p or p.endswith("_cudnn")):
+            if args.smoke and ("compiled" in p or p.endswith(("_cudnn", "_cudagraphs"))):
                 rows[p] = {"skipped": "--smoke: no compile, no cuDNN"}
                 continue
             rows[p] = r = guarded(lambda: run(p, cfg, batches, args, device), device)

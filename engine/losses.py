@@ -21,15 +21,19 @@ def _shifted(model, batch):
     return hidden[:, :-1], batch["labels"][:, 1:]                    # (B, T-1, C), (B, T-1)
 
 
+def _targets(batch, labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the labelled next-token targets (`labels` flattened). SFT and preference data label only
+    the answers (~15% of SFT tokens on the default data), so the lm_head runs on those rows only. Batches from
+    data.packing carry these positions (no host sync); hand-built ones don't."""
+    keep = batch.get("target_positions")
+    return (labels != IGNORE).nonzero().squeeze(1) if keep is None else keep
+
+
 def causal_lm_loss(model, batch) -> tuple[torch.Tensor, dict]:
     """Mean next-token NLL over labelled tokens (pretrain: all; SFT: assistant tokens only)."""
     hidden, labels = _shifted(model, batch)
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
-    # SFT labels only the answers (~15% of tokens on the default data): the lm_head runs on those rows
-    # only. Batches from data.packing carry their positions (no host sync); hand-built ones don't.
-    keep = batch.get("target_positions")
-    if keep is None:
-        keep = (labels != IGNORE).nonzero().squeeze(1)
+    keep = _targets(batch, labels)
     hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
     loss_sum, count = kernels.linear_cross_entropy(hidden, model.lm_head.weight, labels)
     loss = loss_sum / count.clamp(min=1)
@@ -43,13 +47,15 @@ def group_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     token is credited to the document (doc_ids) it belongs to.
     """
     hidden, labels = _shifted(model, batch)
-    logp = kernels.linear_token_logprobs(hidden, model.lm_head.weight, labels)     # (B, T-1)
-    docs = batch["doc_ids"][:, 1:].flatten()
+    hidden, labels = hidden.flatten(0, 1), labels.flatten()
+    keep = _targets(batch, labels)                                  # the answers' tokens: the lm_head runs on those
+    docs = batch["doc_ids"][:, 1:].flatten().index_select(0, keep)
+    logp = kernels.linear_token_logprobs(hidden.index_select(0, keep), model.lm_head.weight, labels.index_select(0, keep))
     # every document id is below this without a device→host sync: data.packing numbers a batch's documents
     # 1, 2, … and each has a token or is in group_docs
     n = batch["doc_ids"].numel() + batch["group_docs"].numel() + 1
-    sums = logp.new_zeros(n).index_add(0, docs, logp.flatten())
-    counts = torch.zeros(n, dtype=torch.long, device=docs.device).index_add(0, docs, (labels != IGNORE).flatten().long())
+    sums = logp.new_zeros(n).index_add(0, docs, logp)
+    counts = torch.zeros(n, dtype=torch.long, device=docs.device).index_add(0, docs, torch.ones_like(docs))
     return sums[batch["group_docs"]], counts[batch["group_docs"]]
 
 

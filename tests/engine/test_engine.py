@@ -149,6 +149,31 @@ def test_group_logprobs_matches_manual():
     assert counts.tolist() == [5, 5]
 
 
+def test_group_logprobs_on_packed_pairs_runs_the_head_on_the_answers_only_and_matches_each_document_alone(monkeypatch):
+    """data.packing's rows (several pairs a row, `target_positions`): each answer's summed log-prob and token count
+    equal the document's own forward; the lm_head sees the labelled rows only."""
+    from glm_lora.data.packing import IGNORE, PackedBatches
+    from tests.data.test_prompt_sharing import _pairs
+    from tests.data.test_packing import ListSource
+    pairs = _pairs(5, seed=3, vocab=VOCAB)
+    b = next(PackedBatches(ListSource(pairs), iter(range(5)), rows=2, seq_len=48, group_size=2, lookahead=5))
+    assert "target_positions" in b and b["doc_ids"].max() > 2           # several documents a row
+    m = tiny()
+    rows = []
+    head = losses.kernels.linear_token_logprobs
+    monkeypatch.setattr(losses.kernels, "linear_token_logprobs", lambda h, *a: rows.append(h.shape[0]) or head(h, *a))
+    logp, counts = group_logprobs(m, b)
+    assert rows == [len(b["target_positions"])] == [int((b["labels"][:, 1:] != IGNORE).sum())]
+    for g, docs in enumerate(b["group_docs"].tolist()):
+        for j, doc in enumerate(docs):                                  # the document alone, as the batch holds it
+            ids, labels = b["input_ids"][b["doc_ids"] == doc], b["labels"][b["doc_ids"] == doc]
+            assert any(ids.tolist() == list(p[0]) for p in pairs)
+            lp = m(ids[None]).log_softmax(-1)[0, :-1].gather(-1, labels[1:].clamp(min=0)[:, None])[:, 0]
+            answer = labels[1:] != IGNORE
+            torch.testing.assert_close(logp[g, j], lp[answer].sum(), atol=1e-5, rtol=1e-5)
+            assert counts[g, j] == answer.sum()
+
+
 def pair_batch(seed=0):
     """2 pairs: rows 0-1 chosen, rows 2-3 rejected, sharing a 4-token prompt (ignored)."""
     b = batch(B=4, T=10, seed=seed, ignore_prefix=4)

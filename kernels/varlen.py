@@ -41,8 +41,8 @@ def documents(doc_ids: torch.Tensor) -> Documents:
 def _causal_kwargs() -> dict:
     """varlen_attn's causal and grouped-head arguments, which torch has renamed between releases
     (`window_size=(-1, 0)` in 2.11 and 2.13, an `is_causal` flag where a release has that instead; `enable_gqa`
-    where it exists (2.13) — without it,
-    2.11's FlashAttention kernels take fewer k/v heads as they are: the GPU test's 8 / 2 heads pass on 2.11)."""
+    where it exists (2.13) — without it, 2.11's kernels take fewer k/v heads as they are: the GPU test's 8 / 2
+    heads pass on 2.11)."""
     from torch.nn.attention.varlen import varlen_attn
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}

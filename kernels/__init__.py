@@ -284,7 +284,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
     if isinstance(mask, varlen.Documents):
         if q.dtype in varlen.DTYPES:
             return varlen.attention(q, k, v, mask)
-        mask = reference.document_causal_mask(mask.doc_ids)
+        mask = mask.dense_mask()
     if mask is not None and not isinstance(mask, torch.Tensor):
         from glm_lora.kernels import flex
         return flex.attention(q, k, v, mask)

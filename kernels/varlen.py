@@ -15,13 +15,22 @@ import torch
 DTYPES = (torch.float16, torch.bfloat16)      # FlashAttention's; anything else takes the reference
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Documents:
     """The packed rows (B, T) as sequences: cu_seqlens (N + 1,) int32 over the flattened B·T tokens, the
     longest one's length, and the document ids they came from (for the reference path)."""
     cu_seqlens: torch.Tensor
     max_len: int
     doc_ids: torch.Tensor
+    _dense: torch.Tensor | None = None
+
+    def dense_mask(self) -> torch.Tensor:
+        """The reference's document-causal mask of the same documents, built once and shared by every layer
+        (inputs FlashAttention has no kernels for)."""
+        if self._dense is None:
+            from glm_lora.kernels import reference
+            self._dense = reference.document_causal_mask(self.doc_ids)
+        return self._dense
 
 
 def documents(doc_ids: torch.Tensor) -> Documents:

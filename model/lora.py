@@ -33,7 +33,7 @@ from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import ALL_LINEAR, LoRAConfig     # "all-linear": PEFT's term for every linear projection
 from glm_lora.kernels.moe import ExpertLoRA
 from glm_lora.kernels.reference import NF4_BLOCK
-from glm_lora.model.model import Experts
+from glm_lora.model.model import MLP, Attention, Experts
 from glm_lora.model.quant import NF4Weight, quantize_nf4
 
 
@@ -308,7 +308,7 @@ def check_nf4_blocks(model: nn.Module, names: list[str], key: str = "lora.quanti
 def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:
     """The frozen weights of every linear layer and routed-experts stack (the GEMM operands) in `dtype`; the
     adapter, modules_to_save, norms and embeddings keep theirs. Sibling LoRA linears of one input (a module's
-    SIBLINGS: q/k/v, gate/up) then hold their weights as row blocks of one tensor."""
+    `siblings()`: q/k/v, gate/up) then hold their weights as row blocks of one tensor."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, LoRALinear, Experts)):
             for name in ("weight", "gate_up_proj", "down_proj"):
@@ -316,8 +316,8 @@ def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:
                 if isinstance(p, nn.Parameter) and not p.requires_grad:
                     p.data = p.data.to(dtype)
     for m in list(model.modules()):
-        for names in getattr(type(m), "SIBLINGS", ()):
-            share_frozen_storage([getattr(m, n, None) for n in names])
+        if isinstance(m, (Attention, MLP)) and m.siblings():
+            share_frozen_storage(list(m.siblings()))
 
 
 def share_frozen_storage(siblings: list) -> None:

@@ -216,8 +216,6 @@ def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 class Attention(nn.Module):
-    SIBLINGS = (("q_proj", "k_proj", "v_proj"),)     # projections of one input, run as one op where `stacks`
-
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx                  # its slot in a KVCache
@@ -232,12 +230,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    def siblings(self) -> tuple[nn.Module, ...]:
+        """The projections of x, one op where they `stacks` (model.lora lays their frozen weights out for it)."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def reads_input_once(self, x) -> bool:
-        return stacks(x, self.q_proj, self.k_proj, self.v_proj)
+        return stacks(x, *self.siblings())
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
         B, T, _ = x.shape
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = project(x, *self.siblings())
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)                # (B, H, T, D)
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)                   # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -251,8 +253,6 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    SIBLINGS = (("gate_proj", "up_proj"),)
-
     def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
@@ -263,14 +263,18 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
+    def siblings(self) -> tuple[nn.Module, ...]:
+        """gate and up, one op where they `stacks`; none where the layout fuses them (gate_up_proj)."""
+        return () if hasattr(self, "gate_up_proj") else (self.gate_proj, self.up_proj)
+
     def reads_input_once(self, x) -> bool:
-        return not hasattr(self, "gate_up_proj") and stacks(x, self.gate_proj, self.up_proj)
+        return bool(self.siblings()) and stacks(x, *self.siblings())
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
             gate_up = self.gate_up_proj(x)                                          # (B, T, 2I): [gate | up]
         else:
-            gate_up = stacked(x, self.gate_proj, self.up_proj)
+            gate_up = stacked(x, *self.siblings())
             if gate_up is None:
                 return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(kernels.swiglu_halves(gate_up))

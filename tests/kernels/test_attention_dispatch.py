@@ -77,8 +77,10 @@ def test_varlen_outside_bf16_takes_the_dense_mask_with_the_same_documents():
     doc_ids = _doc_ids()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 6, 8, generator=g) for h in (4, 2, 2))
-    out = kernels.attention(q, k, v, varlen.documents(doc_ids))         # fp32: FlashAttention has no fp32 kernels
+    docs = varlen.documents(doc_ids)
+    out = kernels.attention(q, k, v, docs)                              # fp32: FlashAttention has no fp32 kernels
     assert torch.equal(out, reference.attention(q, k, v, reference.document_causal_mask(doc_ids)))
+    assert docs.dense_mask() is docs.dense_mask()                       # built once for every layer
     with kernels.using("auto", "varlen"):                               # and a CPU tensor gets the dense mask at once
         assert isinstance(kernels.document_causal_mask(doc_ids), torch.Tensor)
 

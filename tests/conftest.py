@@ -1,7 +1,11 @@
 """Test session setup: a private Prefect home (caches never leak between sessions), offline."""
+import json
 import os
+import resource
 import tempfile
+import time
 
+import pytest
 import torch
 
 # Triton kernels run in the interpreter on CPU-only machines (CI). It must be set before any
@@ -53,3 +57,25 @@ def pytest_collection_modifyitems(items):
             return len(LONGEST_FIRST) + 1
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)     # stable: the rest keep their order
+
+
+# GLM_LORA_TEST_CPU_LOG=FILE: one JSON line per test with its CPU seconds (this process plus the children it reaped:
+# stage processes, torchrun ranks, servers stopped during it) and wall seconds; `python -m bench.ci_cpu FILE` sums
+# them per module (bench/RESULTS.md "Where CI's CPU goes"). Off by default.
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get("GLM_LORA_TEST_CPU_LOG")
+    cpu, wall = _cpu_seconds(), time.time()
+    try:
+        return (yield)
+    finally:
+        if log:
+            with open(log, "a") as f:
+                f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3),
+                                    "wall_s": round(time.time() - wall, 3), "start": wall,
+                                    "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")

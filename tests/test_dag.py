@@ -277,6 +277,7 @@ def test_rerun_is_cached_and_a_dpo_change_reruns_only_downstream(dag, caplog, mo
         taken.append(name)
         yield
     monkeypatch.setattr(stages, "concurrency", slot)
+    monkeypatch.setattr(stages, "_limit_exists", lambda name: True)    # as under scripts/run.sh, which creates it
     result, states = _run({**quiet, "dpo.beta": 0.2})
     assert states == {"data": "Cached", "tokenizer": "Cached", "pretrain": "Cached", "sft": "Cached",
                       "dpo": "Completed", "export": "Completed", "gguf": "Completed"}

@@ -51,3 +51,27 @@ def test_virtualenvs_skip_the_byte_compile_and_env_lets_python_keep_what_it_comp
                          env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("[unset]"), out.stdout
+
+
+def test_the_cpu_log_records_each_tests_cpu_and_wall_seconds(tmp_path):
+    """GLM_LORA_TEST_CPU_LOG (tests/conftest.py) and its summary, bench/ci_cpu.py: a test that computes is charged
+    its CPU seconds, one that waits its wall seconds only, one whose child process computes the child's."""
+    import json
+    import sys
+    from bench.ci_cpu import per_module
+    (tmp_path / "test_x.py").write_text(
+        "import subprocess, sys, time\n"
+        "def test_computes(): sum(i * i for i in range(3_000_000))\n"
+        "def test_waits(): time.sleep(0.5)\n"
+        "def test_child_computes(): subprocess.run([sys.executable, '-c', 'sum(i * i for i in range(3_000_000))'])\n")
+    log = tmp_path / "cpu.jsonl"
+    env = {**os.environ, "GLM_LORA_TEST_CPU_LOG": str(log), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "tests.conftest", "-p",
+                           "no:cacheprovider", str(tmp_path / "test_x.py")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["test"].rsplit("::", 1)[1]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert rows["test_computes"]["cpu_s"] > 0.1 and rows["test_child_computes"]["cpu_s"] > 0.1, rows
+    assert rows["test_waits"]["wall_s"] >= 0.5 > 0.1 > rows["test_waits"]["cpu_s"], rows
+    ((module, cpu, wall, n),) = per_module(list(rows.values()))
+    assert module.endswith("test_x.py") and n == 3 and cpu == sum(r["cpu_s"] for r in rows.values())

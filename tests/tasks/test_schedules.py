@@ -47,3 +47,28 @@ def test_a_second_nightly_while_one_runs_is_cancelled(api_url, tmp_path):
         assert client.set_flow_run_state(first.id, Pending()).state.type.value == "PENDING"
         # the second trigger while the first holds the slot: the server cancels it (no queueing, no overlap)
         assert client.set_flow_run_state(second.id, Pending()).state.type.value == "CANCELLED"
+
+
+def test_training_takes_the_global_slot_only_where_the_server_has_the_limit(api_url, monkeypatch):
+    """tasks.stages.train_slot: without a `glm-lora-train` limit on the server nothing is asked of it (Prefect's
+    attempt is a database write that SQLite refuses while another is open, retried ~2 s later); with the limit
+    (scripts/run.sh creates it) the slot is held while the stage trains and given back after."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    import glm_lora.tasks.stages as stages
+
+    asked = []
+    real = stages.concurrency
+    monkeypatch.setattr(stages, "concurrency", lambda *a, **k: asked.append(a) or real(*a, **k))
+    with stages.train_slot():
+        pass
+    assert asked == []
+    with get_client(sync_client=True) as client:
+        limit = client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=stages.TRAIN_SLOT, limit=1))
+        try:
+            with stages.train_slot():
+                held = client.read_global_concurrency_limit_by_name(stages.TRAIN_SLOT).active_slots
+            after = client.read_global_concurrency_limit_by_name(stages.TRAIN_SLOT).active_slots
+        finally:
+            client.delete_global_concurrency_limit_by_name(stages.TRAIN_SLOT)
+    assert asked == [(stages.TRAIN_SLOT,)] and (held, after) == (1, 0), (asked, held, after, limit)

@@ -316,8 +316,8 @@ def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:
                 if isinstance(p, nn.Parameter) and not p.requires_grad:
                     p.data = p.data.to(dtype)
     for m in list(model.modules()):
-        if isinstance(m, (Attention, MLP)) and m.siblings():
-            share_frozen_storage(list(m.siblings()))
+        if isinstance(m, (Attention, MLP)) and (siblings := m.siblings()):
+            share_frozen_storage(list(siblings))
 
 
 def share_frozen_storage(siblings: list) -> None:

@@ -268,7 +268,8 @@ class MLP(nn.Module):
         return () if hasattr(self, "gate_up_proj") else (self.gate_proj, self.up_proj)
 
     def reads_input_once(self, x) -> bool:
-        return bool(self.siblings()) and stacks(x, *self.siblings())
+        siblings = self.siblings()
+        return bool(siblings) and stacks(x, *siblings)
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):

@@ -70,12 +70,13 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     log = os.environ.get("GLM_LORA_TEST_CPU_LOG")
+    if not log:
+        return (yield)
     cpu, wall = _cpu_seconds(), time.time()
     try:
         return (yield)
     finally:
-        if log:
-            with open(log, "a") as f:
-                f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3),
-                                    "wall_s": round(time.time() - wall, 3), "start": wall,
-                                    "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3),
+                                "wall_s": round(time.time() - wall, 3), "start": wall,
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")

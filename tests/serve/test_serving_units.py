@@ -255,6 +255,15 @@ def _fake_vllm(model_dir: Path) -> subprocess.Popen:
                              "--model", str(model_dir)], start_new_session=True)
 
 
+def test_the_watchdog_beside_each_server_does_not_load_torch():
+    """A watchdog runs beside every candidate server for the whole promotion: importing torch made each one a
+    ~240 MB, ~1.9 CPU-second process to watch a pipe (serve.deploy reads adapters' files without it now)."""
+    out = subprocess.run([sys.executable, "-c", "import sys, glm_lora.serve.watchdog; print(sorted("
+                          "{m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'peft'}))"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 @pytest.mark.parametrize("end", ["done", "done_then_exit", "killed", "pipe_closes_before_death"])
 def test_the_watchdog_undoes_a_promotion_only_if_its_process_died(tmp_path, end):
     """done: the promotion ended in its live process (it writes "done", then closes the pipe): nothing to undo;

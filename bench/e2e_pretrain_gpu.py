@@ -10,11 +10,14 @@ Providers, all on the same token batches:
   ours_fused_nostack    the same with q/k/v and gate/up one GEMM each (before 2026-12-04)
   ours_fused_unfusednorm  the same with the residual adds as their own ops and the norms in fp32 (before
                         2026-12-04 pm; bench.workloads.norms_fused)
-  ours_fused_compiled   kernels "auto" + torch.compile(model.hidden_states) (the blocks, where "auto" takes the torch
-                        reference ops for inductor to fuse; the loss head stays our fused Triton op, eager: its
-                        label filter is data-dependent); a compile error is recorded
+  ours_fused_compiled   kernels "auto", the blocks compiled as the stages compile them with `compile: true`
+                        (engine.compile.compiled_training: torch.compile(model.hidden_states), inside which "auto" takes
+                        the torch reference ops for inductor to fuse; the loss head stays our fused Triton op, eager:
+                        its label filter is data-dependent); a compile error is recorded
   ours_fused_cudagraphs the same compiled with mode="reduce-overhead": inductor's graphs replayed as CUDA graphs
                         (cudagraph trees, forward and backward), one launch per graph instead of one per kernel
+  ours_fused_autotune   the same with `compile: max-autotune` (mode "max-autotune-no-cudagraphs"): inductor times its
+                        Triton GEMM templates against cuBLAS for each of the step's shapes and keeps the faster
   ours_*_cudnn          the same with SDPA's causal attention on cuDNN's kernels (torch.nn.attention.sdpa_kernel;
                         torch's own order puts FlashAttention-2 first)
 MFU = tokens/s × (6·N_nonembedding + 12·L·h·seq) / 790e12, N_nonembedding without embed_tokens and
@@ -25,6 +28,8 @@ lm_head, 790 TFLOP/s = measured bf16 dense peak of the H200. `mfu_incl_lm_head` 
 from __future__ import annotations
 
 import contextlib
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -32,12 +37,13 @@ from glm_lora import kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
                              norms_fused, ratios, selected, setup, siblings_stacked, table, timed)
+from glm_lora.engine.compile import compiled_training
 from glm_lora.engine.losses import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import DecoderConfig
 
 PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_nostack", "ours_fused_unfusednorm",
-             "ours_fused_compiled", "ours_fused_cudagraphs", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
+             "ours_fused_compiled", "ours_fused_cudagraphs", "ours_fused_autotune", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
 BASE = "hf_eager"
 PEAK_FLOPS = 790e12
 MFU_FORMULA = "tokens/s * (6*N_nonembedding + 12*L*h*seq) / 790e12; N_nonembedding excludes embed_tokens and lm_head"
@@ -73,6 +79,7 @@ def random_batches(n: int, rows: int, seq_len: int, vocab: int) -> list[dict]:
 
 
 def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.device) -> dict:
+    setting = "max-autotune" if name.endswith("_autotune") else name.startswith("ours") and "compiled" in name
     if name.startswith("hf"):
         model = hf_model(cfg, device)
         fwd = torch.compile(model) if name.endswith("compiled") else model
@@ -82,8 +89,8 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
     else:
         model = our_model(cfg, device)
         graphs = name.endswith("_cudagraphs")
-        if "compiled" in name or graphs:
-            model.hidden_states = torch.compile(model.hidden_states, mode="reduce-overhead" if graphs else "default")
+        if graphs:
+            model.hidden_states = torch.compile(model.hidden_states, mode="reduce-overhead")
 
         def loss_of(b):
             if graphs:      # a new step: the previous replay's outputs may be overwritten
@@ -92,9 +99,14 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
     opt = build_optimizer(model, 3e-4, 0.1, fused=device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
     cudnn = sdpa_backend("cudnn" if name.endswith("_cudnn") else None)
+    compiled = (compiled_training(model, setting, device=device, runs_dir=Path(tempfile.mkdtemp()), name=name)
+                if setting else contextlib.nullcontext({}))
     with kernels.using("reference" if name == "ours_reference" else "auto"), siblings_stacked(not name.endswith("_nostack")), \
-            norms_fused(not name.endswith("_unfusednorm")), cudnn:
-        return {**timed(train_step(loss_of, opt, device), batches, args.warmup, device), "params": params}
+            norms_fused(not name.endswith("_unfusednorm")), cudnn, compiled as info:
+        out = {**timed(train_step(loss_of, opt, device), batches, args.warmup, device), "params": params}
+    if info.get("compile_fallback") or info.get("compile_skipped"):
+        raise RuntimeError(f"{name}: ran eager: {info.get('compile_fallback') or info.get('compile_skipped')}")
+    return out
 
 
 def main() -> None:
@@ -111,7 +123,7 @@ def main() -> None:
                        "flops_per_token_incl_lm_head": per_token + 6 * cfg.hidden_size * vocab}
         rows = {}
         for p in selected(args, PROVIDERS):
-            if args.smoke and ("compiled" in p or p.endswith(("_cudnn", "_cudagraphs"))):
+            if args.smoke and ("compiled" in p or p.endswith(("_cudnn", "_cudagraphs", "_autotune"))):
                 rows[p] = {"skipped": "--smoke: no compile, no cuDNN"}
                 continue
             rows[p] = r = guarded(lambda: run(p, cfg, batches, args, device), device)

@@ -198,11 +198,12 @@ class TrainConfig(Section):
     prefetch: int = Field(2, ge=0)   # batches built ahead in a background thread; 0 = inline
     nonfinite: Literal["stop", "skip"] = "stop"   # NaN/inf loss: stop the stage, or skip the batch (counted)
     activation_checkpointing: bool = False   # recompute each decoder block in backward (less memory, more compute)
-    # torch.compile the training forward/backward on the CPU (engine/compile.py): 1.34-1.52x the steps/s of the
-    # tiny SFT step after a one-off ~24 s compile on 2 cores (cached under runs_dir/.cache/inductor); eager
-    # with a warning where there is no C++ compiler, on CUDA and under torchrun. Same learning up to fp32 noise.
-    # "auto": compile only a stage of at least engine.compile.PAYBACK_STEPS steps (where a cold compile pays back).
-    compile: bool | Literal["auto"] = False
+    # torch.compile the training forward/backward (engine/compile.py): on the CPU 1.34-1.52x the steps/s of the
+    # tiny SFT step after a one-off ~24 s compile on 2 cores (cached under runs_dir/.cache/inductor); on CUDA
+    # 1.38x the 125M pretraining step, 1.48x with "max-autotune" (inductor times its GEMM templates), not at 1B.
+    # Eager with a warning where there is no C++ compiler (CPU) and under torchrun. Same learning up to rounding.
+    # "auto": compile only a CPU stage of at least engine.compile.PAYBACK_STEPS steps (where a compile pays back).
+    compile: bool | Literal["auto", "max-autotune"] = False
     # Validation loss on the stage's held-out split every eval_every steps (0 = off). When on, the
     # weights with the best validation loss (not the last) are what the stage saves.
     eval_every: int = Field(0, ge=0)

@@ -1,4 +1,4 @@
-"""`<stage>.compile`: torch.compile the decoder's training forward and backward on the CPU.
+"""`<stage>.compile`: torch.compile the decoder's training forward and backward.
 
 What it buys (bench/RESULTS.md, "Two cores: where a CPU step's time goes"): on the tiny default's LoRA SFT
 step the eager model spends about a third of its time in small elementwise ops (RMSNorm, RoPE, SwiGLU, the
@@ -14,12 +14,19 @@ step's shapes are fixed: batch_size x seq_len packed rows) and the eager method 
 greedy decoding: other and changing shapes that would each cost a recompile). Losses, optimizer and
 clipping stay eager: the lm_head runs on a data-dependent number of answer rows.
 
-Falls back to eager, with a warning, where compiling can't work: a mixture-of-experts model, no C++ compiler
-for inductor, a CUDA device (the fused Triton kernels are used there; compile of those paths is not measured), or several
-processes (DDP/FSDP2 wrap the model; not measured). If the compile itself fails on the first call, that
-call and the rest of the stage run eager.
+On CUDA the compiled blocks run kernels "auto"'s torch reference ops (kernels._impl: inside a compiled region),
+which inductor fuses, in place of our Triton kernels. That pays where a step is small and elementwise-heavy: the
+125M pretraining step (8 x 2048 tokens, H100) ran 1.38x eager compiled and 1.48x with `compile: max-autotune`
+(inductor times its Triton GEMM templates against cuBLAS for each shape: MFU 0.298 -> 0.411 -> 0.440), but the 1B
+step gained 1.01x and a 1B LoRA SFT step lost (0.92x) (bench/RESULTS.md "Compiled blocks on the GPU" and
+"The LoRA table at 149b8d8 on an H100; `compile: max-autotune`"). So on CUDA a stage compiles when asked (`true`,
+`max-autotune`), never by `auto`.
 
-`compile: auto` compiles a stage of at least PAYBACK_STEPS steps and runs a shorter one eager: a cold compile
+Falls back to eager, with a warning, where compiling can't work: a mixture-of-experts model, no C++ compiler
+for inductor on the CPU, or several processes (DDP/FSDP2 wrap the model; not measured). If the compile itself
+fails on the first call, that call and the rest of the stage run eager.
+
+`compile: auto` compiles a CPU stage of at least PAYBACK_STEPS steps and runs a shorter one eager: a cold compile
 (~24 s on two quiet cores, 60-90 s on a busy one) is won back by the faster steps after ~400-450 of them (the tiny
 SFT step at one or two threads; bench/RESULTS.md "Two cores"), so compiling a 10- or 120-step stage only adds time.
 
@@ -54,11 +61,11 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
     layout = getattr(getattr(model, "config", None), "layout", None)
     if getattr(layout, "moe", False):
         return "mixture-of-experts layers (each step's expert batches have new sizes: a recompile every step)"
-    if device.type != "cpu":
-        return f"device {device.type} (only the CPU path is compiled; CUDA uses the fused Triton kernels)"
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type} (compiling is measured on the CPU and CUDA only)"
     if dist is not None:
         return "several processes (torchrun): not measured with DDP/FSDP2"
-    if cxx_compiler() is None:
+    if device.type == "cpu" and cxx_compiler() is None:
         return "no C++ compiler found for inductor (install g++ or set CXX)"
     return None
 
@@ -66,9 +73,15 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
 PAYBACK_STEPS = 400
 
 
-def skip_reason(setting: bool | str, steps: int | None) -> str | None:
-    """Why `compile: auto` leaves a stage of `steps` steps eager (None: compile it; also for true and false, and for
-    an unknown number of steps)."""
+MODES = {True: None, "auto": None, "max-autotune": "max-autotune-no-cudagraphs"}     # setting -> torch.compile's mode
+
+
+def skip_reason(setting: bool | str, steps: int | None, device: torch.device = torch.device("cpu")) -> str | None:
+    """Why `compile: auto` leaves a stage of `steps` steps eager (None: compile it; also for the other settings, and
+    for an unknown number of steps on the CPU)."""
+    if setting == "auto" and device.type == "cuda":
+        return ("CUDA: compiled blocks paid only for small elementwise-heavy steps (125M pretraining 1.38x, 1B 1.01x, "
+                "1B LoRA SFT 0.92x); set compile: true or max-autotune to compile (compile: auto)")
     if setting == "auto" and steps is not None and steps < PAYBACK_STEPS:
         return f"{steps} steps, fewer than the {PAYBACK_STEPS} a cold compile takes to pay back (compile: auto)"
     return None
@@ -89,12 +102,12 @@ def cache_dir(runs_dir: Path) -> Path:
 def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: torch.device, dist=None,
                       runs_dir: Path = Path("runs"), name: str = "train", steps: int | None = None) -> Iterator[dict]:
     """Inside the block, `model.hidden_states` runs compiled while `model.training` (see the module doc).
-    `enabled`: the stage's `compile` setting (true, false or "auto" with the stage's `steps`).
+    `enabled`: the stage's `compile` setting (true, false, "max-autotune", or "auto" with the stage's `steps`).
     Yields a dict the stage can report: compile (bool: used), compile_s (the first compiled call: compile
     plus one forward), compile_fallback (why eager, if it was asked for and not used), compile_skipped (why
     `auto` chose eager)."""
     info: dict = {"compile": False}
-    skipped = skip_reason(enabled, steps)
+    skipped = skip_reason(enabled, steps, device)
     if skipped:
         log.info("%s.compile: running eager: %s", name, skipped)
         info["compile_skipped"] = skipped
@@ -108,7 +121,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
         yield info
         return
     eager = model.hidden_states                                     # the bound method
-    compiled = torch.compile(eager, dynamic=False)
+    compiled = torch.compile(eager, dynamic=False, mode=MODES[enabled])
 
     def hidden_states(*args, **kwargs):
         if not model.training or info.get("compile_fallback"):
@@ -129,7 +142,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
 
     model.hidden_states = hidden_states             # an instance attribute shadows the method
     try:
-        with _deterministic():
+        with _deterministic() if device.type == "cpu" else contextlib.nullcontext():
             yield info
     finally:
         del model.hidden_states
@@ -137,7 +150,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
 
 @contextlib.contextmanager
 def _deterministic() -> Iterator[None]:
-    """torch's deterministic mode while the compiled graphs are built and run: inductor otherwise lowers
+    """torch's deterministic mode while the compiled CPU graphs are built and run: inductor otherwise lowers
     accumulating index_puts (the trained embedding's backward) to parallel atomic adds on the CPU, whose
     summation order — and so the trained weights, and the answers — changed from one run to the next.
     warn_only: an op with no deterministic kernel warns instead of failing the stage."""

@@ -47,12 +47,11 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from glm_lora.configs.errors import UserError
-from glm_lora.configs.schema import Config, derived_grad_accum
+from glm_lora.configs.schema import LORA_STAGES, Config, derived_grad_accum
 
 log = logging.getLogger("glm_lora.dist")
 
 STRATEGIES = ("ddp", "fsdp2")
-LORA_STAGES = ("sft", "dpo", "rl")
 # Long enough for rank 0's held-out evaluation while the others wait at the final barrier.
 TIMEOUT = timedelta(minutes=30)
 TEST_FAIL_ENV = "GLM_LORA_TEST_FAIL"

@@ -20,7 +20,7 @@ import torch
 
 from glm_lora.configs.schema import LoRAConfig, TrainConfig
 from glm_lora.model.lora import LoRALinear, inject_lora
-from glm_lora.model.model import Decoder, DecoderConfig, Experts
+from glm_lora.model.model import Decoder, DecoderConfig, Experts, shapes_only
 
 GiB = 2**30
 
@@ -28,7 +28,7 @@ GiB = 2**30
 def lora_memory(layout: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, *, world_size: int = 1,
                 strategy: str = "ddp", cuda_half: bool = True) -> dict:
     """Bytes per process, by part, for a LoRA stage on a base of `layout` (see the module docstring)."""
-    with torch.device("meta"):
+    with shapes_only():
         model = Decoder(layout)
         inject_lora(model, lora.model_copy(update={"quantization": "none"}))   # nf4 can't quantise meta tensors
     sharded = strategy == "fsdp2"

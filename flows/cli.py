@@ -122,8 +122,6 @@ def _user_error(e: BaseException | str) -> int:
 
 
 def _run(args) -> int:
-    from glm_lora.engine.preflight import preflight
-
     if args.cmd == "relocate":
         from glm_lora.export import relocate
         print(json.dumps(relocate(args.export_dir), indent=2))
@@ -140,6 +138,7 @@ def _run(args) -> int:
         for stage, why in status(cfg):
             print(f"{stage:12s} {'cached' if not why else 'runs: ' + '; '.join(why)}")
         return 0
+    from glm_lora.engine.preflight import preflight     # imported here: a config error is reported without torch
     preflight(cfg)
     if args.cmd == "stage":
         with run_lock(cfg.run_dir):

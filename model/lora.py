@@ -267,8 +267,8 @@ def _plan(model: nn.Module, lora: LoRAConfig, section: str = "lora") -> tuple[li
 def check_lora(cfg, lora: LoRAConfig, section: str) -> None:
     """Before any training (engine/preflight.py): what inject_lora would refuse for a model of DecoderConfig
     `cfg`, refused now, naming `<section>.<key>` — built on the meta device (shapes only, no memory)."""
-    from glm_lora.model.model import Decoder
-    with torch.device("meta"):
+    from glm_lora.model.model import Decoder, shapes_only
+    with shapes_only():
         _plan(Decoder(cfg), lora, section)
 
 

@@ -11,7 +11,9 @@ per architecture and PEFT adapter keys line up.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, fields
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -377,6 +379,26 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+_INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Modules built inside live on the meta device (shapes, no memory) and skip torch.nn.init: random init of a
+    meta tensor runs torch's Python decompositions, whose first use imports torch._dynamo (~1 s of every config
+    check, engine/preflight.py)."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 class Decoder(nn.Module):

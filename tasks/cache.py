@@ -14,12 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from glm_lora import artifacts
-from glm_lora import kernels
 from glm_lora.artifacts import code_version, is_complete, read_manifest, sha256_json, sha256_path
 from glm_lora.configs import get_dotted
 from glm_lora.configs.schema import Config
-from glm_lora.engine.dist import world_size
-from glm_lora.tasks.launch import torchrun_stage
 from glm_lora.tasks.table import DISTRIBUTED, STAGES, chain, upstream
 
 
@@ -105,6 +102,15 @@ def reusable(out_dir: Path, key: str) -> bool:
     return is_complete(out_dir) and read_manifest(out_dir)["config"].get("cache_key") == key
 
 
+def _tensor_ops(name: str, cfg: Config) -> ContextManager:
+    """The ops every model stage runs (kernels/__init__.py); the data and tokenizer stages run none (and don't
+    import torch for it)."""
+    if name in ("data", "tokenizer"):
+        return contextlib.nullcontext()
+    from glm_lora import kernels
+    return kernels.using(cfg.kernels, cfg.attention)
+
+
 def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool = False,
                 log: logging.Logger = logging.getLogger("glm_lora.stages"),
                 guard: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[artifacts.ArtifactRef, bool]:
@@ -124,10 +130,13 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
         log.info("%s: running: %s", name, "; ".join(["forced (refresh)"] if force else
                                                     explain(name, cfg, inputs, out)))
     fn = STAGES[name].run
-    if name in DISTRIBUTED and (cfg.dist.launcher == "torchrun" or world_size(cfg) > 1):
-        fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
+    if name in DISTRIBUTED:
+        from glm_lora.engine.dist import world_size
+        from glm_lora.tasks.launch import torchrun_stage
+        if cfg.dist.launcher == "torchrun" or world_size(cfg) > 1:
+            fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
-    with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
+    with guard(), _tensor_ops(name, cfg):
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),
                               config={"cache_key": key, "key_parts": parts, "run": cfg.model_dump(mode="json")},
                               inputs=[artifacts.ArtifactRef.from_dict(r) for r in inputs.values()])

@@ -28,6 +28,11 @@ ap.add_argument("--no-targets", action="store_true", help="batches without targe
 ap.add_argument("--rows", type=int, default=8, help="rows of 2048 tokens a step")
 ap.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"],
                 help="SDPA's backend for the causal attention (torch.nn.attention.sdpa_kernel); default: torch's choice")
+ap.add_argument("--bf16-weights", choices=["eager", "compiled"],
+                help="the matrices stored in bf16 (no per-step autocast casts), fp32 master copies updated by AdamW and "
+                     "copied back: 'eager' = per-tensor grad casts + fused AdamW + foreach copy; 'compiled' = one "
+                     "torch.compile'd update (grad cast, torch's functional AdamW, copy back)")
+ap.add_argument("--top", type=int, default=25, help="kernels listed")
 args = ap.parse_args()
 dev = torch.device("cuda")
 cfg = decoder_config(args.size, 32000, 2048)
@@ -40,8 +45,48 @@ if args.compile:
         with kernels.using("reference" if args.inner_reference else "auto"):
             return compiled(*a, **k)
     model.hidden_states = hidden_states
-opt = build_optimizer(model, 3e-4, 0.1, fused=True)
-inner = train_step(lambda b: causal_lm_loss(model, b)[0], opt, dev)
+if args.bf16_weights:
+    from torch.optim.adam import adam
+    low = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+    masters = [p.detach().clone() for p in low]
+    for p in low:
+        p.data = p.data.to(torch.bfloat16)
+    ids = {id(p) for p in low}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    opt = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2] + (masters if args.bf16_weights == "eager" else []),
+                              "weight_decay": 0.1}, {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), fused=True)
+    exp_avgs = [torch.zeros_like(m) for m in masters]
+    exp_avg_sqs = [torch.zeros_like(m) for m in masters]
+    steps = [torch.zeros((), device=dev) for _ in masters]
+
+    @torch.compile
+    @torch.no_grad()
+    def master_update(grads):
+        adam(masters, [g.float() for g in grads], exp_avgs, exp_avg_sqs, [], steps, foreach=True, capturable=True,
+             decoupled_weight_decay=True, amsgrad=False, beta1=0.9, beta2=0.95, lr=3e-4, weight_decay=0.1, eps=1e-8,
+             maximize=False)
+        torch._foreach_copy_(low, masters)
+
+    def inner(b):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = causal_lm_loss(model, b)[0]
+        loss.backward()
+        if args.bf16_weights == "eager":
+            for m, p in zip(masters, low):
+                m.grad = p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                torch._foreach_copy_(low, masters)
+        else:
+            opt.step()
+            master_update([p.grad for p in low])
+        opt.zero_grad(set_to_none=True)
+        for p in low:
+            p.grad = None
+else:
+    opt = build_optimizer(model, 3e-4, 0.1, fused=True)
+    inner = train_step(lambda b: causal_lm_loss(model, b)[0], opt, dev)
 
 
 def step(b):
@@ -73,7 +118,7 @@ gpu = sum(e.device_time_total for e in events) / 3 / 1000
 launches = sum(e.count for e in events) / 3
 print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.cudagraphs else ''}"
       f"{' inner reference' if args.inner_reference else ''}"
-      f"{' no target_positions' if args.no_targets else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
+      f"{' no target_positions' if args.no_targets else ''}{' bf16 weights ' + args.bf16_weights if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
       f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step, "
       f"MFU {args.rows * 2048 / wall * per_token / PEAK_FLOPS:.3f}")
 by_kind: dict = {}
@@ -81,5 +126,5 @@ for e in events:
     kind = next((k for k, keys in KINDS if any(s in e.key.lower() for s in keys)), "other")
     by_kind[kind] = by_kind.get(kind, 0) + e.device_time_total / 3 / 1000
 print("by kind (ms/step):", {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
-for e in sorted(events, key=lambda e: -e.device_time_total)[:25]:
+for e in sorted(events, key=lambda e: -e.device_time_total)[:args.top]:
     print(f"  {e.device_time_total / 3 / 1000:7.2f} ms  x{e.count // 3:4d}  {e.key[:110]}")

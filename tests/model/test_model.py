@@ -248,3 +248,17 @@ def test_glm_generate_matches_transformers_greedy(tmp_path, arch):
     m = tiny(arch=arch, hidden_size=64, num_heads=2, num_kv_heads=1, seed=2)
     ours, theirs = _greedy_both(m, tmp_path)
     assert ours == theirs and len(set(ours)) > 1
+
+
+def test_shapes_only_builds_on_meta_without_initialisers_and_puts_them_back():
+    import torch.nn as nn
+    from glm_lora.model.model import shapes_only
+    before = nn.init.normal_
+    with shapes_only():
+        model = Decoder(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                                      num_kv_heads=1, max_seq_len=16))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert nn.init.normal_ is before
+    with torch.no_grad():
+        real = torch.empty(4, 4)
+        assert nn.init.normal_(real.zero_(), std=1.0).abs().sum() > 0        # initialisers work again

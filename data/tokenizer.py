@@ -193,10 +193,23 @@ def _hf_tokenizer(sp: spm.SentencePieceProcessor):  # -> transformers.LlamaToken
 
 
 def load_tokenizer(tokenizer_dir: str | Path):  # -> transformers.PreTrainedTokenizerBase
-    """Load a tokenizer written by `train_tokenizer` (local files only)."""
-    from transformers import AutoTokenizer
+    """Load the tokenizer in `tokenizer_dir` (ours, or a base model's; local files only).
 
-    return AutoTokenizer.from_pretrained(str(Path(tokenizer_dir).resolve()), local_files_only=True)
+    The class its tokenizer_config.json names, where transformers exports it, is loaded directly: that is the class
+    AutoTokenizer would pick, but AutoTokenizer's module imports transformers' model registry (and torch._dynamo
+    through it), ~2 CPU-seconds in every stage process that only needs the tokenizer. Anything else goes through
+    AutoTokenizer."""
+    import transformers
+
+    path = Path(tokenizer_dir).resolve()
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        from transformers import AutoTokenizer as cls
+    return cls.from_pretrained(str(path), local_files_only=True)
 
 
 class ChatTemplateError(DataError):

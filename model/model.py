@@ -271,7 +271,7 @@ class MLP(nn.Module):
 
     def reads_input_once(self, x) -> bool:
         siblings = self.siblings()
-        return bool(siblings) and stacks(x, *siblings)
+        return len(siblings) > 0 and stacks(x, *siblings)     # not bool(tuple): a graph break in torch 2.11's dynamo
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
@@ -348,6 +348,12 @@ class MoE(nn.Module):
         return self.experts(flat, experts, weights).view(B, T, C) + self.shared_experts(x)
 
 
+# Compiled (engine/compile.py) on CUDA, each block is cut into two graphs before its MLP: inductor's single graph over
+# the whole stack ran the 125M pretraining step 1.15x slower (H100, torch 2.11: 43.1 vs 37.4 ms a step, bench/RESULTS.md
+# "One graph or two per block"). The CPU's compiled LoRA step was measured as one graph and stays one.
+COMPILE_SPLITS_BLOCKS = {"cuda": True, "cpu": False}
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
@@ -366,6 +372,8 @@ class Block(nn.Module):
         h = self.self_attn(n, cos, sin, mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
             h = self.post_self_attn_layernorm(h)
+        if COMPILE_SPLITS_BLOCKS.get(x.device.type, False) and torch.compiler.is_compiling():
+            torch._dynamo.graph_break()
         x, n = self.post_attention_layernorm.add(x, h, _matmul_input_dtype(x, self.mlp.reads_input_once(x)))
         h = self.mlp(n)
         if hasattr(self, "post_mlp_layernorm"):

@@ -32,6 +32,8 @@ ap.add_argument("--bf16-weights", choices=["eager", "compiled"],
                 help="the matrices stored in bf16 (no per-step autocast casts), fp32 master copies updated by AdamW and "
                      "copied back: 'eager' = per-tensor grad casts + fused AdamW + foreach copy; 'compiled' = one "
                      "torch.compile'd update (grad cast, torch's functional AdamW, copy back)")
+ap.add_argument("--compile-blocks", action="store_true", help="torch.compile each decoder block on its own "
+                "(nn.Module.compile; torchtitan's granularity) instead of model.hidden_states as one graph")
 ap.add_argument("--top", type=int, default=25, help="kernels listed")
 args = ap.parse_args()
 dev = torch.device("cuda")
@@ -45,6 +47,9 @@ if args.compile:
         with kernels.using("reference" if args.inner_reference else "auto"):
             return compiled(*a, **k)
     model.hidden_states = hidden_states
+if args.compile_blocks:
+    for layer in model.model.layers:
+        layer.compile()
 if args.bf16_weights:
     from torch.optim.adam import adam
     low = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
@@ -118,7 +123,7 @@ gpu = sum(e.device_time_total for e in events) / 3 / 1000
 launches = sum(e.count for e in events) / 3
 print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.cudagraphs else ''}"
       f"{' inner reference' if args.inner_reference else ''}"
-      f"{' no target_positions' if args.no_targets else ''}{' bf16 weights ' + args.bf16_weights if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
+      f"{' blocks compiled one by one' if args.compile_blocks else ''}{' no target_positions' if args.no_targets else ''}{' bf16 weights ' + args.bf16_weights if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
       f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step, "
       f"MFU {args.rows * 2048 / wall * per_token / PEAK_FLOPS:.3f}")
 by_kind: dict = {}

@@ -72,6 +72,35 @@ def test_files_and_autotokenizer_load(tok_dir: Path, tok) -> None:
     assert tok.pad_token_id != tok.eos_token_id
 
 
+def test_load_tokenizer_gives_what_autotokenizer_gives_without_its_model_registry(tok_dir: Path, tmp_path: Path) -> None:
+    """load_tokenizer takes the class tokenizer_config.json names (AutoTokenizer's pick, without importing its model
+    registry: ~2 CPU-s per stage process); a config naming no class transformers exports goes through AutoTokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+    chat = [{"role": "user", "content": "12 + 7 = ?"}, {"role": "assistant", "content": "19"}]
+    probe = ("import json, sys; from glm_lora.data.tokenizer import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+             "print(json.dumps([type(t).__name__, t.get_vocab(), t(sys.argv[2])['input_ids'], "
+             "t.apply_chat_template(json.loads(sys.argv[3]), tokenize=False), t.all_special_ids, "
+             "'transformers.models.auto.tokenization_auto' in sys.modules]))")
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(tok_dir, unnamed)
+    config = json.loads((unnamed / "tokenizer_config.json").read_text())
+    del config["tokenizer_class"]
+    (unnamed / "tokenizer_config.json").write_text(json.dumps(config))
+    for d, through_auto in ((tok_dir, False), (unnamed, True)):
+        out = subprocess.run([sys.executable, "-c", probe, str(d), SAMPLES[0], json.dumps(chat)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        name, vocab, ids, text, special, auto_imported = json.loads(out.stdout.strip().splitlines()[-1])
+        ref = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        assert (name, vocab, ids, text, special) == (type(ref).__name__, ref.get_vocab(), ref(SAMPLES[0])["input_ids"],
+                                                     ref.apply_chat_template(chat, tokenize=False), ref.all_special_ids)
+        assert auto_imported == through_auto
+
+
 @pytest.mark.parametrize("text", SAMPLES)
 def test_roundtrip_and_sentencepiece_parity(tok_dir: Path, tok, text: str) -> None:
     sp = spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model"))

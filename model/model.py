@@ -393,15 +393,21 @@ _INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming
                  "xavier_uniform_", "xavier_normal_", "trunc_normal_")
 
 
+def _skipping_meta(init):
+    def skip(tensor, *args, **kwargs):
+        return tensor if tensor.is_meta else init(tensor, *args, **kwargs)
+    return skip
+
+
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
     """Modules built inside live on the meta device (shapes, no memory) and skip torch.nn.init: random init of a
     meta tensor runs torch's Python decompositions, whose first use imports torch._dynamo (~1 s of every config
-    check, engine/preflight.py)."""
+    check, engine/preflight.py). Only meta tensors skip it: a model another thread builds meanwhile is initialised."""
     saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
     try:
         for name in _INITIALISERS:
-            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+            setattr(nn.init, name, _skipping_meta(saved[name]))
         with torch.device("meta"):
             yield
     finally:

@@ -257,7 +257,9 @@ def test_shapes_only_builds_on_meta_without_initialisers_and_puts_them_back():
     with shapes_only():
         model = Decoder(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                                       num_kv_heads=1, max_seq_len=16))
+        real = nn.init.normal_(torch.zeros(4, 4, device="cpu"), std=1.0)   # e.g. another thread's model: initialised
     assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert real.abs().sum() > 0
     assert nn.init.normal_ is before
     with torch.no_grad():
         real = torch.empty(4, 4)

@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, PositiveFloat
 
+LORA_STAGES = ("sft", "dpo", "rl")       # the adapter-training stages (engine/dist.py: DDP by default)
 # vLLM's CPU attention backend supports only these head sizes (a server with another one starts,
 # then dies on the first request).
-LORA_STAGES = ("sft", "dpo", "rl")       # the adapter-training stages (engine/dist.py: DDP by default)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # Projection names of every supported layout (gate_up_proj: GLM's fused MLP input). Which of them a
 # model has depends on its layout (model.arch or the base model): checked when LoRA is injected.

@@ -20,7 +20,8 @@ which inductor fuses, in place of our Triton kernels. That pays where a step is 
 (inductor times its Triton GEMM templates against cuBLAS for each shape: MFU 0.298 -> 0.411 -> 0.440), but the 1B
 step gained 1.01x and a 1B LoRA SFT step lost (0.92x) (bench/RESULTS.md "Compiled blocks on the GPU" and
 "The LoRA table at 149b8d8 on an H100; `compile: max-autotune`"). So on CUDA a stage compiles when asked (`true`,
-`max-autotune`), never by `auto`.
+`max-autotune`), never by `auto`. There each block compiles as two graphs, cut before its MLP
+(model.COMPILE_SPLITS_BLOCKS: one graph over the stack measured 1.15x slower at 125M).
 
 Falls back to eager, with a warning, where compiling can't work: a mixture-of-experts model, no C++ compiler
 for inductor on the CPU, or several processes (DDP/FSDP2 wrap the model; not measured). If the compile itself

@@ -102,15 +102,6 @@ def reusable(out_dir: Path, key: str) -> bool:
     return is_complete(out_dir) and read_manifest(out_dir)["config"].get("cache_key") == key
 
 
-def _tensor_ops(name: str, cfg: Config) -> ContextManager:
-    """The ops every model stage runs (kernels/__init__.py); the data and tokenizer stages run none (and don't
-    import torch for it)."""
-    if name in ("data", "tokenizer"):
-        return contextlib.nullcontext()
-    from glm_lora import kernels
-    return kernels.using(cfg.kernels, cfg.attention)
-
-
 def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool = False,
                 log: logging.Logger = logging.getLogger("glm_lora.stages"),
                 guard: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[artifacts.ArtifactRef, bool]:
@@ -136,7 +127,8 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
         if cfg.dist.launcher == "torchrun" or world_size(cfg) > 1:
             fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
-    with guard(), _tensor_ops(name, cfg):
+    from glm_lora import kernels      # here, not at the top: reading the cache (`status`, a config error) loads no torch
+    with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),
                               config={"cache_key": key, "key_parts": parts, "run": cfg.model_dump(mode="json")},
                               inputs=[artifacts.ArtifactRef.from_dict(r) for r in inputs.values()])

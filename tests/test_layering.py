@@ -1,4 +1,5 @@
-"""The layering of DESIGN.md holds: every package imports only packages on a lower floor."""
+"""The layering of DESIGN.md holds: every package imports only packages on a lower floor; and a CLI call imports
+only what it uses (a config error loads no torch)."""
 from __future__ import annotations
 
 import ast

@@ -28,10 +28,9 @@ ap.add_argument("--no-targets", action="store_true", help="batches without targe
 ap.add_argument("--rows", type=int, default=8, help="rows of 2048 tokens a step")
 ap.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"],
                 help="SDPA's backend for the causal attention (torch.nn.attention.sdpa_kernel); default: torch's choice")
-ap.add_argument("--bf16-weights", choices=["eager", "compiled"],
-                help="the matrices stored in bf16 (no per-step autocast casts), fp32 master copies updated by AdamW and "
-                     "copied back: 'eager' = per-tensor grad casts + fused AdamW + foreach copy; 'compiled' = one "
-                     "torch.compile'd update (grad cast, torch's functional AdamW, copy back)")
+ap.add_argument("--bf16-weights", action="store_true",
+                help="the matrices stored in bf16 (no per-step autocast casts), fp32 master copies: one torch.compile'd "
+                     "update casts their gradients, runs torch's functional AdamW on the masters and copies them back")
 ap.add_argument("--compile-blocks", action="store_true", help="torch.compile each decoder block on its own "
                 "(nn.Module.compile; torchtitan's granularity) instead of model.hidden_states as one graph")
 ap.add_argument("--top", type=int, default=25, help="kernels listed")
@@ -58,8 +57,8 @@ if args.bf16_weights:
         p.data = p.data.to(torch.bfloat16)
     ids = {id(p) for p in low}
     rest = [p for p in model.parameters() if id(p) not in ids]
-    opt = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2] + (masters if args.bf16_weights == "eager" else []),
-                              "weight_decay": 0.1}, {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
                             lr=3e-4, betas=(0.9, 0.95), fused=True)
     exp_avgs = [torch.zeros_like(m) for m in masters]
     exp_avg_sqs = [torch.zeros_like(m) for m in masters]
@@ -77,15 +76,8 @@ if args.bf16_weights:
         with torch.autocast("cuda", torch.bfloat16):
             loss = causal_lm_loss(model, b)[0]
         loss.backward()
-        if args.bf16_weights == "eager":
-            for m, p in zip(masters, low):
-                m.grad = p.grad.float()
-            opt.step()
-            with torch.no_grad():
-                torch._foreach_copy_(low, masters)
-        else:
-            opt.step()
-            master_update([p.grad for p in low])
+        opt.step()
+        master_update([p.grad for p in low])
         opt.zero_grad(set_to_none=True)
         for p in low:
             p.grad = None
@@ -123,7 +115,7 @@ gpu = sum(e.device_time_total for e in events) / 3 / 1000
 launches = sum(e.count for e in events) / 3
 print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.cudagraphs else ''}"
       f"{' inner reference' if args.inner_reference else ''}"
-      f"{' blocks compiled one by one' if args.compile_blocks else ''}{' no target_positions' if args.no_targets else ''}{' bf16 weights ' + args.bf16_weights if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
+      f"{' blocks compiled one by one' if args.compile_blocks else ''}{' no target_positions' if args.no_targets else ''}{' bf16 weights compiled' if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
       f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step, "
       f"MFU {args.rows * 2048 / wall * per_token / PEAK_FLOPS:.3f}")
 by_kind: dict = {}

@@ -57,7 +57,7 @@ def sft_setup(run: Path, runs_dir: Path):
 
 
 class Variant:
-    def __init__(self, name: str, base, tc, threads: int, compile: bool, runs_dir: Path, bf16: bool = False,
+    def __init__(self, name: str, base, tc, threads: int, compile: bool | str, runs_dir: Path, bf16: bool = False,
                  fused: bool = False, stack: bool = False, repeat_kv: bool = False):
         self.name, self.threads, self.tc, self.stack, self.repeat_kv = name, threads, tc, stack, repeat_kv
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
@@ -171,9 +171,9 @@ def main() -> None:
     ap.add_argument("--min-steps", type=int, default=100, help="interleaved rounds at least (loss agreement)")
     ap.add_argument("--profile", action="store_true", help="also print the top ATen ops of the eager step")
     ap.add_argument("--variants", default="eager-2t,compiled-2t,eager-1t,compiled-1t",
-                    help="kind[-bf16][-fused][-stack][-repeatkv]-Nt (eager|compiled; bf16 autocast; fused AdamW; "
+                    help="kind[-bf16][-fused][-stack][-repeatkv][-autotune]-Nt (eager|compiled; bf16 autocast; fused AdamW; "
                          "q/k/v and gate/up stacked: kernels.stacks_siblings; k/v heads repeated before the masked "
-                         "attention: reference.GQA_WITH_MASK off), comma-separated; "
+                         "attention: reference.GQA_WITH_MASK off; compile: max-autotune), comma-separated; "
                          "the first is the baseline")
     args = ap.parse_args()
     cfg, tc, data, batches, base = sft_setup(args.run, args.runs_dir)
@@ -187,7 +187,8 @@ def main() -> None:
     variants = []
     for name in args.variants.split(","):
         kind, *options, threads = name.split("-")   # e.g. compiled-bf16-fused-2t: bf16 autocast, fused AdamW
-        variants.append(Variant(name, base, tc, int(threads[:-1]), kind == "compiled", args.runs_dir,
+        compile = ("max-autotune" if "autotune" in options else True) if kind == "compiled" else False
+        variants.append(Variant(name, base, tc, int(threads[:-1]), compile, args.runs_dir,
                                 bf16="bf16" in options, fused="fused" in options, stack="stack" in options,
                                 repeat_kv="repeatkv" in options))
     step, t0 = 0, time.perf_counter()

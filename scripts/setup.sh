@@ -33,6 +33,7 @@ fi
 # dependencies 108 s → 45 s without it). Python compiles a module at its first import instead and keeps the .pyc
 # (scripts/env.sh makes sure it may write them).
 NO_COMPILE=--no-compile
+source scripts/venv_cache.sh       # venv_key / venv_restore / venv_save: the virtualenvs cached by content
 stamp_ok() { [ -f "$1/.glm-lora-stamp" ] && [ "$(cat "$1/.glm-lora-stamp")" = "$2" ]; }
 
 main_stamp=$(sha256sum pyproject.toml | cut -c1-16)
@@ -42,6 +43,13 @@ vllm_stamp="$VLLM_PKG $TORCH"
 # the first); each reports its time.
 make_main() {
   if ! stamp_ok .venv "$main_stamp"; then
+    local entry
+    entry=$(venv_key main "$main_stamp $TORCH ${TORCH_INDEX_URL:-}")
+    if venv_restore "$entry" .venv; then
+      echo "$main_stamp" > .venv/.glm-lora-stamp
+      echo "[setup] .venv restored from the cache ($VENV_CACHE/$entry) in $((SECONDS - t0)) s"
+      return
+    fi
     echo "[setup] creating .venv ($DEVICE torch, prefect, transformers, peft, sentencepiece, ...)"
     "$PY" -m venv .venv
     .venv/bin/pip install -qq --upgrade pip
@@ -54,12 +62,20 @@ make_main() {
       exit 1
     fi
     .venv/bin/pip install -qq $NO_COMPILE -e ".[test,tracking]"      # tracking: MLflow, tested against a real local server
+    venv_save "$entry" .venv
     echo "$main_stamp" > .venv/.glm-lora-stamp
     echo "[setup] .venv made in $((SECONDS - t0)) s"
   fi
 }
 make_vllm() {
   if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! stamp_ok .venv-vllm "$vllm_stamp"; then
+    local entry
+    entry=$(venv_key vllm "$vllm_stamp $DEVICE")
+    if venv_restore "$entry" .venv-vllm; then
+      echo "$vllm_stamp" > .venv-vllm/.glm-lora-stamp
+      echo "[setup] .venv-vllm restored from the cache ($VENV_CACHE/$entry) in $((SECONDS - t0)) s"
+      return
+    fi
     echo "[setup] creating .venv-vllm ($VLLM_PKG; ~3 min, ~3.4 GB on CPU)"
     "$PY" -m venv .venv-vllm
     .venv-vllm/bin/pip install -qq --upgrade pip
@@ -72,6 +88,7 @@ make_vllm() {
       # (and break vLLM's import through transformers' image utils); text models don't need them.
       .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
+    venv_save "$entry" .venv-vllm
     echo "$vllm_stamp" > .venv-vllm/.glm-lora-stamp
     echo "[setup] .venv-vllm made in $((SECONDS - t0)) s"
   fi

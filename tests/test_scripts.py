@@ -75,3 +75,76 @@ def test_the_cpu_log_records_each_tests_cpu_and_wall_seconds(tmp_path):
     assert rows["test_waits"]["wall_s"] >= 0.5 > 0.1 > rows["test_waits"]["cpu_s"], rows
     ((module, cpu, wall, n),) = per_module(list(rows.values()))
     assert module.endswith("test_x.py") and n == 3 and cpu == sum(r["cpu_s"] for r in rows.values())
+
+
+def _venv_cache(repo: Path, cache: Path, script: str) -> subprocess.CompletedProcess:
+    import sys
+    env = {**os.environ, "GLM_LORA_VENV_CACHE": str(cache), "REPO": str(repo), "PY": sys.executable}
+    return subprocess.run(["bash", "-c", f'source "{REPO}/scripts/venv_cache.sh" && {script}'], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_cached_virtualenv_is_restored_into_another_checkout_by_hard_links_without_changing_the_entry(tmp_path):
+    """scripts/venv_cache.sh: a virtualenv saved from checkout a and restored into checkout b is b's own — its Python
+    runs from b, its .pth and console scripts name b — while the big files are the entry's (hard links, no copy) and
+    neither the entry nor a's virtualenv changed. A second save of the same entry keeps the first; "off" disables."""
+    import sys
+    a, b, cache = tmp_path / "a", tmp_path / "b", tmp_path / "cache"
+    (a / "src").mkdir(parents=True), (b / "src").mkdir(parents=True)     # a .pth names a folder only if it exists
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(a / ".venv")], check=True, timeout=60)
+    site = next((a / ".venv/lib").glob("python*/site-packages"))
+    (site / "checkout.pth").write_text(f"{a}/src\n")
+    (a / ".venv/bin/tool").write_text(f"#!{a}/.venv/bin/python\nprint('tool')\n")
+    (site / "weights.bin").write_bytes(os.urandom(1 << 16))
+    entry = _venv_cache(a, cache, 'k=$(venv_key main "stamp 1") && venv_save "$k" .venv && echo "$k"')
+    assert entry.returncode == 0, entry.stderr
+    entry = entry.stdout.strip()
+    assert entry.startswith("main-") and (cache / entry / ".glm-lora-origin").read_text().strip() == str(a)
+    other = _venv_cache(a, cache, 'venv_key main "stamp 2"').stdout.strip()
+    assert other != entry                                    # the stamp is part of the name
+
+    out = _venv_cache(b, cache, f"venv_restore {entry} .venv")
+    assert out.returncode == 0, out.stderr
+    ran = subprocess.run([str(b / ".venv/bin/python"), "-c", "import sys; print(sys.prefix); print(sys.path)"],
+                         capture_output=True, text=True, timeout=30)
+    prefix, path = ran.stdout.splitlines()
+    assert prefix == str(b / ".venv") and f"{b}/src" in path and f"{a}/src" not in path, ran.stdout
+    b_site = next((b / ".venv/lib").glob("python*/site-packages"))
+    assert (b / ".venv/bin/tool").read_text().startswith(f"#!{b}/.venv/bin/python\n")
+    assert os.access(b / ".venv/bin/tool", os.X_OK) == os.access(a / ".venv/bin/tool", os.X_OK)
+    assert (b_site / "weights.bin").stat().st_ino == (site / "weights.bin").stat().st_ino   # linked, not copied
+    assert not (b / ".venv/.glm-lora-origin").exists() and not list(b.glob(".venv.restoring*"))
+    for venv in (a / ".venv", cache / entry):                # the entry and the checkout that made it are unchanged
+        assert (venv / "bin/tool").read_text().startswith(f"#!{a}/.venv/bin/python\n")
+        assert next((venv / "lib").glob("python*/site-packages/checkout.pth")).read_text() == f"{a}/src\n"
+
+    assert _venv_cache(b, cache, f"venv_save {entry} .venv").returncode == 0
+    assert (cache / entry / ".glm-lora-origin").read_text().strip() == str(a)   # the first save stays
+    assert _venv_cache(b, tmp_path / "none", f"venv_restore {entry} .venv").returncode == 1
+    assert _venv_cache(b, Path("off"), f"venv_restore {entry} .venv").returncode == 1
+
+
+def test_setup_restores_a_cached_virtualenv_instead_of_installing(tmp_path):
+    """scripts/setup.sh with an entry for its stamp in the cache: .venv is restored and stamped, pip never runs
+    (PIP_NO_INDEX would make an install fail), and it says so."""
+    import sys
+    repo, cache = tmp_path / "repo", tmp_path / "cache"
+    (repo / "scripts").mkdir(parents=True)
+    for f in ("scripts/setup.sh", "scripts/venv_cache.sh", "pyproject.toml"):
+        shutil.copy(REPO / f, repo / f)
+    src = tmp_path / "built"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(src / ".venv")], check=True, timeout=60)
+    stamp = subprocess.run(["bash", "-c", "sha256sum pyproject.toml | cut -c1-16"], cwd=repo, capture_output=True,
+                           text=True).stdout.strip()
+    seeded = _venv_cache(src, cache, f'k=$(REPO="{repo}" venv_key main "{stamp} torch==2.13.0 ") && venv_save "$k" .venv')
+    assert seeded.returncode == 0, seeded.stderr
+    env = {**os.environ, "GLM_LORA_VENV_CACHE": str(cache), "GLM_LORA_SKIP_VLLM": "1", "GLM_LORA_DEVICE": "cpu",
+           "PIP_NO_INDEX": "1", "PYTHON": sys.executable}
+    env.pop("TORCH_VERSION", None), env.pop("TORCH_INDEX_URL", None)
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[setup] .venv restored from the cache" in out.stdout, out.stdout
+    assert (repo / ".venv/.glm-lora-stamp").read_text().strip() == stamp
+    ran = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                         text=True, timeout=30)
+    assert ran.stdout.strip() == str(repo / ".venv")

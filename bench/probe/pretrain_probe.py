@@ -20,7 +20,7 @@ from glm_lora.engine.optim import build_optimizer
 ap = argparse.ArgumentParser()
 ap.add_argument("--size", default="125m")
 ap.add_argument("--compile", action="store_true", help="torch.compile(model.hidden_states), as ours_fused_compiled")
-ap.add_argument("--cudagraphs", action="store_true", help="with --compile: mode reduce-overhead (CUDA graphs)")
+ap.add_argument("--cudagraphs", action="store_true", help="with --compile: mode reduce-overhead (CUDA graphs) unless --mode")
 ap.add_argument("--inner-reference", action="store_true",
                 help="with --compile: the blocks' ops as the torch reference (inductor fuses them), the loss head fused")
 ap.add_argument("--no-targets", action="store_true", help="batches without target_positions (the loss finds them: "
@@ -33,6 +33,7 @@ ap.add_argument("--bf16-weights", action="store_true",
                      "update casts their gradients, runs torch's functional AdamW on the masters and copies them back")
 ap.add_argument("--compile-blocks", action="store_true", help="torch.compile each decoder block on its own "
                 "(nn.Module.compile; torchtitan's granularity) instead of model.hidden_states as one graph")
+ap.add_argument("--mode", help="torch.compile's mode for --compile / --compile-blocks (e.g. max-autotune-no-cudagraphs)")
 ap.add_argument("--top", type=int, default=25, help="kernels listed")
 args = ap.parse_args()
 dev = torch.device("cuda")
@@ -40,7 +41,7 @@ cfg = decoder_config(args.size, 32000, 2048)
 model = our_model(cfg, dev)
 per_token = flops_per_token(cfg, 2048)
 if args.compile:
-    compiled = torch.compile(model.hidden_states, mode="reduce-overhead" if args.cudagraphs else None)
+    compiled = torch.compile(model.hidden_states, mode=args.mode or ("reduce-overhead" if args.cudagraphs else None))
 
     def hidden_states(*a, **k):
         with kernels.using("reference" if args.inner_reference else "auto"):
@@ -48,7 +49,7 @@ if args.compile:
     model.hidden_states = hidden_states
 if args.compile_blocks:
     for layer in model.model.layers:
-        layer.compile()
+        layer.compile(mode=args.mode)
 if args.bf16_weights:
     from torch.optim.adam import adam
     low = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
@@ -87,7 +88,7 @@ else:
 
 
 def step(b):
-    if args.cudagraphs:
+    if args.cudagraphs or args.mode in ("reduce-overhead", "max-autotune"):      # these modes record CUDA graphs
         torch.compiler.cudagraph_mark_step_begin()
     inner(b)
 
@@ -115,7 +116,7 @@ gpu = sum(e.device_time_total for e in events) / 3 / 1000
 launches = sum(e.count for e in events) / 3
 print(f"{args.size}{' compiled' if args.compile else ''}{' cudagraphs' if args.cudagraphs else ''}"
       f"{' inner reference' if args.inner_reference else ''}"
-      f"{' blocks compiled one by one' if args.compile_blocks else ''}{' no target_positions' if args.no_targets else ''}{' bf16 weights compiled' if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
+      f"{' blocks compiled one by one' if args.compile_blocks else ''}{' mode ' + args.mode if args.mode else ''}{' no target_positions' if args.no_targets else ''}{' bf16 weights compiled' if args.bf16_weights else ''} rows {args.rows} sdpa {args.sdpa or 'default'}: wall {wall * 1000:.1f} ms/step, GPU kernels {gpu:.1f} ms/step "
       f"({gpu / (wall * 1000):.0%} busy), {launches:.0f} kernels/step, "
       f"MFU {args.rows * 2048 / wall * per_token / PEAK_FLOPS:.3f}")
 by_kind: dict = {}

@@ -2,7 +2,8 @@
 # (a fresh CI clone, a copied run directory's repo) gets them in seconds instead of reinstalling ~6 GB.
 #
 # An entry is a virtualenv as setup.sh built it, hard-linked (no data copied), under
-# $GLM_LORA_VENV_CACHE (default ~/.cache/glm-lora/venvs; "off" or empty: no cache), named by what decides its
+# $GLM_LORA_VENV_CACHE (default $XDG_CACHE_HOME or ~/.cache, then glm-lora/venvs; "off" or empty: no cache; no
+# cache either without a home directory), named by what decides its
 # content: the kind, setup.sh's stamp (pyproject.toml's hash / the vLLM and torch pins), the Python that made it and
 # these two scripts. Restoring hard-links the entry into the checkout and rewrites the few files that name the
 # checkout's path (console scripts' shebangs, pyvenv.cfg, the editable install's finder); those are written anew, so
@@ -11,8 +12,10 @@
 # filesystem (no hard links), nothing is cached and setup installs as before.
 # Needs: REPO (the checkout), PY (the Python that makes the virtualenvs).
 
-VENV_CACHE="${GLM_LORA_VENV_CACHE-$HOME/.cache/glm-lora/venvs}"
+_cache_home="${XDG_CACHE_HOME:-${HOME:+$HOME/.cache}}"
+VENV_CACHE="${GLM_LORA_VENV_CACHE-${_cache_home:+$_cache_home/glm-lora/venvs}}"
 [ "$VENV_CACHE" = off ] && VENV_CACHE=""
+unset _cache_home
 
 venv_key() {   # KIND STAMP -> the entry's name
   local made_by

@@ -122,6 +122,10 @@ def test_a_cached_virtualenv_is_restored_into_another_checkout_by_hard_links_wit
     assert (cache / entry / ".glm-lora-origin").read_text().strip() == str(a)   # the first save stays
     assert _venv_cache(b, tmp_path / "none", f"venv_restore {entry} .venv").returncode == 1
     assert _venv_cache(b, Path("off"), f"venv_restore {entry} .venv").returncode == 1
+    no_home = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME", "GLM_LORA_VENV_CACHE")}
+    out = subprocess.run(["bash", "-c", f'set -eu; source "{REPO}/scripts/venv_cache.sh"; echo "[$VENV_CACHE]"'],
+                         env=no_home, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr     # no home directory: no cache, no error
 
 
 def test_setup_restores_a_cached_virtualenv_instead_of_installing(tmp_path):

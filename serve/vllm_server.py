@@ -208,6 +208,12 @@ def start_server(
         # As measured in NOTES.md; the API server still runs its EngineCore as a child
         # process, so stop_server signals the whole process group.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM binds one OpenMP thread per core, and OpenMP threads spin while they wait for each other: beside other
+        # work on the cores (the trainer, CI's workers) the spinning thread holds the core its peer needs. Three
+        # clients on the tiny model beside two busy processes: 23 answers in 32 s at 1.4 CPU-s each, 612 with
+        # threads that sleep (51 ms each); alone, one client: 92 instead of 72 ms an answer at half the CPU
+        # (bench/RESULTS.md "The deployment tests' server under load"). A caller's own OMP_WAIT_POLICY wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if settings.get("runtime_lora_rank") is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"    # /v1/load_lora_adapter: the RL stage's weight sync
     env.pop("VLLM_API_KEY", None)  # only an explicit api_key turns auth on

@@ -51,6 +51,34 @@ def test_vllm_args_on_cpu(tmp_path):
             vs.vllm_args(tmp_path / "m", port=9000, served_model_name="tiny", device="cpu", **bad)
 
 
+@pytest.mark.parametrize("device, caller, expected", [("cpu", None, "PASSIVE"), ("cpu", "ACTIVE", "ACTIVE"),
+                                                       ("cuda", None, None)])
+def test_a_cpu_servers_openmp_threads_sleep_while_they_wait_unless_the_caller_says(tmp_path, monkeypatch, device,
+                                                                                   caller, expected):
+    """start_server's environment for vLLM: on the CPU, OMP_WAIT_POLICY=PASSIVE (spinning threads beside other work
+    served 27x fewer answers); a caller's own setting is kept; CUDA's environment is left alone."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv("GLM_LORA_VLLM_PYTHON", str(python))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if caller:
+        monkeypatch.setenv("OMP_WAIT_POLICY", caller)
+    seen = {}
+
+    class Launched:
+        pid = 12345
+
+        def __init__(self, cmd, env, **kwargs):
+            seen.update(env=env)
+    monkeypatch.setattr(vs.subprocess, "Popen", Launched)
+    from serve_helpers import free_port
+    vs.start_server(model, port=free_port(), served_model_name="tiny", log_path=tmp_path / "log", device=device)
+    assert seen["env"].get("OMP_WAIT_POLICY") == expected
+
+
 def test_vllm_args_on_cuda(tmp_path):
     args = vs.vllm_args(tmp_path / "m", port=9000, served_model_name=["a", "b"], lora_modules={"x": (tmp_path / "dpo-vllm", 8)},
                         device="cuda", tensor_parallel_size=4, max_num_seqs=256, max_lora_rank=64, dtype="bfloat16")

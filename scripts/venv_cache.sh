@@ -51,7 +51,7 @@ for f in files:
         os.replace(f + ".tmp", f)
 EOF
   rm -rf "${REPO:?}/$2"
-  mv -T "$tmp" "$REPO/$2"
+  mv -T "$tmp" "$REPO/$2" || { rm -rf "$tmp"; return 1; }
 }
 
 venv_save() {   # ENTRY DIR: DIR (relative to REPO), just built, becomes the entry unless it exists already

@@ -8,8 +8,8 @@
 # these two scripts. Restoring hard-links the entry into the checkout and rewrites the few files that name the
 # checkout's path (console scripts' shebangs, pyvenv.cfg, the editable install's finder); those are written anew, so
 # the entry and the checkout that made it never change. Entries appear by an atomic rename (a concurrent setup that
-# built the same one keeps the first); the two newest of each kind are kept. Where the cache is on another
-# filesystem (no hard links), nothing is cached and setup installs as before.
+# built the same one keeps the first); the two newest of each kind are kept, and those less than a day old. Where
+# the cache is on another filesystem (no hard links), nothing is cached and setup installs as before.
 # Needs: REPO (the checkout), PY (the Python that makes the virtualenvs).
 
 _cache_home="${XDG_CACHE_HOME:-${HOME:+$HOME/.cache}}"
@@ -63,7 +63,9 @@ venv_save() {   # ENTRY DIR: DIR (relative to REPO), just built, becomes the ent
   rm -f "$tmp/.glm-lora-stamp"
   printf '%s\n' "$REPO" > "$tmp/.glm-lora-origin"     # a file of the entry's own, not linked to the checkout's
   mv -T "$tmp" "$VENV_CACHE/$1" 2>/dev/null || rm -rf "$tmp"
-  # the two newest entries of this kind stay
-  ls -dt "$VENV_CACHE/$kind"-* 2>/dev/null | tail -n +3 | while read -r old; do rm -rf "$old"; done
+  # the two newest entries of this kind stay, and any made in the last day: another checkout may be restoring one
+  ls -dt "$VENV_CACHE/$kind"-* 2>/dev/null | tail -n +3 | while read -r old; do
+    [ -n "$(find "$old" -maxdepth 0 -mmin +1440)" ] && rm -rf "$old"
+  done
   return 0
 }

@@ -200,7 +200,7 @@ class TrainConfig(Section):
     nonfinite: Literal["stop", "skip"] = "stop"   # NaN/inf loss: stop the stage, or skip the batch (counted)
     activation_checkpointing: bool = False   # recompute each decoder block in backward (less memory, more compute)
     # torch.compile the training forward/backward (engine/compile.py): on the CPU 1.34-1.52x the steps/s of the
-    # tiny SFT step after a one-off ~24 s compile on 2 cores (cached under runs_dir/.cache/inductor); on CUDA
+    # tiny SFT step after a one-off ~24 s compile on 2 cores (cached per user: ~/.cache/glm-lora/inductor); on CUDA
     # 1.38x the 125M pretraining step, 1.48x with "max-autotune" (inductor times its GEMM templates), not at 1B.
     # Eager with a warning where there is no C++ compiler (CPU) and under torchrun. Same learning up to rounding.
     # "auto": compile only a CPU stage of at least engine.compile.PAYBACK_STEPS steps (where a compile pays back).

@@ -58,6 +58,8 @@ def run(model, n: int, **ctx) -> tuple[list[float], dict]:
 
 def test_compiled_steps_learn_what_eager_steps_do(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))      # a cold, private cache: the kernels are written
+    cache = tmp_path / "xdg" / "glm-lora" / "inductor"
     if ec.cxx_compiler() is None:
         pytest.skip("no C++ compiler: the fallback tests cover this machine")
     eager, info_e = run(lora_model(), 12, enabled=False)
@@ -68,22 +70,33 @@ def test_compiled_steps_learn_what_eager_steps_do(tmp_path, monkeypatch):
         torch.set_num_threads(1)
     assert info_e == {"compile": False}
     assert info_c["compile"] is True and info_c["compile_s"] > 0 and "compile_fallback" not in info_c
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / ".cache" / "inductor").resolve())
-    assert any((tmp_path / ".cache" / "inductor").iterdir())         # the compiled artifacts are there
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve())
+    assert any(cache.iterdir())         # the compiled artifacts are there
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-5)
     assert compiled[-1] < compiled[0] - 0.5          # it learned
     # Reproducible from run to run: no kernel sums with parallel atomic adds (the trained embedding's backward
     # did, so two runs of the same config trained different weights), and the deterministic mode is the
     # compiled block's only.
-    kernels = list((tmp_path / ".cache" / "inductor").rglob("*.cpp"))
+    kernels = list(cache.rglob("*.cpp"))
     assert kernels and not [k.name for k in kernels if "atomic_add" in k.read_text()]
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_cache_dir_replaces_only_inductors_default(tmp_path, monkeypatch):
+def test_cache_dir_is_the_users_and_replaces_only_inductors_default(tmp_path, monkeypatch):
+    """One cache per user, outside any run directory: another run directory or checkout compiles warm."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())       # what importing torch._dynamo leaves
-    assert ec.cache_dir(tmp_path) == (tmp_path / ".cache" / "inductor").resolve()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    for runs in ("runs", "other-runs"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())   # what importing torch._dynamo leaves
+        assert ec.cache_dir(tmp_path / runs) == tmp_path / "home" / ".cache" / "glm-lora" / "inductor"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert ec.cache_dir(tmp_path / "runs") == tmp_path / "xdg" / "glm-lora" / "inductor"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("HOME")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")                               # no home directory: the run's own
+    assert ec.cache_dir(tmp_path / "runs") == (tmp_path / "runs" / ".cache" / "inductor").resolve()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))    # the user's choice is kept
     assert ec.cache_dir(tmp_path / "other") == tmp_path / "mine"
 

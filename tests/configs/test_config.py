@@ -23,6 +23,7 @@ def test_preset_values_come_from_the_yaml_not_the_defaults():
     assert cfg.sft.lora.r == 32 and cfg.dpo.lora.r == 16
     assert cfg.dpo.lr == 5e-4                      # yaml beats DPOConfig(lr=5e-5) default
     assert load_config("small").model.num_kv_heads == 12
+    assert load_config("small").pretrain.compile is True and load_config("small").sft.compile is False
 
 
 def test_preset_by_path(tmp_path):

@@ -99,10 +99,22 @@ def cache_dir(runs_dir: Path) -> Path:
     the environment; inductor reads the variable at each use, so that default is replaced here too.)"""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        home = os.environ.get("XDG_CACHE_HOME") or (os.environ.get("HOME") and Path(os.environ["HOME"]) / ".cache")
-        root = Path(home) / "glm-lora" if home else Path(runs_dir) / ".cache"
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((root / "inductor").resolve())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_users_cache() or (Path(runs_dir) / ".cache" / "inductor").resolve())
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def _users_cache() -> Path | None:
+    """glm-lora/inductor under $XDG_CACHE_HOME or ~/.cache, if there is a home and the directory can be made there
+    (a service account's home may be missing or read-only: the run's own directory then, not a failed compile)."""
+    home = os.environ.get("XDG_CACHE_HOME") or (os.environ.get("HOME") and Path(os.environ["HOME"]) / ".cache")
+    if not home:
+        return None
+    path = (Path(home) / "glm-lora" / "inductor").resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
 
 
 @contextlib.contextmanager

@@ -97,6 +97,10 @@ def test_cache_dir_is_the_users_and_replaces_only_inductors_default(tmp_path, mo
     monkeypatch.delenv("HOME")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")                               # no home directory: the run's own
     assert ec.cache_dir(tmp_path / "runs") == (tmp_path / "runs" / ".cache" / "inductor").resolve()
+    (tmp_path / "not-a-dir").write_text("")                                 # a home where nothing can be made
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert ec.cache_dir(tmp_path / "runs") == (tmp_path / "runs" / ".cache" / "inductor").resolve()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))    # the user's choice is kept
     assert ec.cache_dir(tmp_path / "other") == tmp_path / "mine"
 

@@ -20,21 +20,21 @@ from pathlib import Path
 
 from glm_lora.configs import load_config
 from glm_lora.serve import deploy
+from glm_lora.serve import vllm_server as vs
 from glm_lora.serve.stage import serve
 from tests.serve.serve_helpers import build_export, free_port
 from tests.serve.test_deployment import KEY_ENV, _chat, _overrides
 
 
 def group_cpu(pgid: int) -> float:
+    """User + system CPU seconds of the server's process group (the API server and its engine core)."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in vs._group_members(pgid):
         try:
-            s = stat.read_text()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
-            continue
-        rest = s[s.rindex(")") + 2:].split()
-        if int(rest[2]) == pgid:                     # the process group: the API server and its engine core
-            total += (int(rest[11]) + int(rest[12])) / tick
+            continue                                 # exited meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 

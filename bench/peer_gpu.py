@@ -28,8 +28,9 @@ bf16 autocast, fused AdamW):
        hf_peft_naive      anchor (b): bench.e2e_dpo_gpu's naive DPO, N pairs per step (N = the packed
                           rows' pairs per step), padded rows; on OOM N/2, N/4
 Timing: bench.workloads.WARMUP_RULE, then p20/p50/p80 of the step time, real tokens/s over the
-measured steps, peak memory. With --profile, torch.profiler over 3 more steps of ours_flex at 1B
-(SFT and DPO): top kernels and time by kind, written beside the results.
+measured steps, peak memory. With --profile, torch.profiler over 3 more steps of each provider named by
+--profile-providers (ours_flex by default; ours and the Liger anchor, SFT and DPO): GPU kernel time against the
+step's wall (a step the host cannot keep fed shows up as the gap), top kernels and time by kind, written beside the results.
 
 With --attention-micro, attention alone (per layer fwd + bwd, and the mask build) flex vs dense at head_dim
 64 and 128 and both widths, and what `auto` picks.
@@ -187,8 +188,11 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
                 check = {"detect_from_position_ids": check,
                          "explicit_block_mask": anchors.check_packing(model, packed[0], device, autocast(device))}
             opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
-            res = timed_steps(train_step(anchors.liger_sft_loss(model), opt, device), packed[:n_batches], device,
-                              args.steps, max_warmup=args.max_warmup)
+            step = train_step(anchors.liger_sft_loss(model), opt, device)
+            res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
+            if args.profile and name in args.profile_providers and out is not None:
+                res["profile"] = profile(step, packed[n_batches:n_batches + 3], device,
+                                         out / f"profile_sft_{size}_{name}.txt")
             return {**res, "packing_check": check, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device, name)
     if name.endswith("_compiled"):
@@ -199,8 +203,8 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=False) / 1e12
         res["model_tflop_per_s"] = res["model_tflops_per_step"] / (res["step_ms_mean"] / 1000)
-        if args.profile and name == "ours_flex" and size in ("1b", "smoke") and out is not None:
-            res["profile"] = profile(step, packed[n_batches:n_batches + 3], device, out / f"profile_sft_{size}.txt")
+        if args.profile and name in args.profile_providers and out is not None:
+            res["profile"] = profile(step, packed[n_batches:n_batches + 3], device, out / f"profile_sft_{size}_{name}.txt")
     return res
 
 
@@ -262,8 +266,8 @@ def dpo(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
         res.update(pair_rates(res, packed[:n_batches]))
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=True) / 1e12
         res["model_tflop_per_s"] = res["model_tflops_per_step"] / (res["step_ms_mean"] / 1000)
-        if args.profile and name == "ours_flex" and size in ("1b", "smoke") and out is not None:
-            res["profile"] = profile(step, packed[n_batches:n_batches + 3], device, out / f"profile_dpo_{size}.txt")
+        if args.profile and name in args.profile_providers and out is not None:
+            res["profile"] = profile(step, packed[n_batches:n_batches + 3], device, out / f"profile_dpo_{size}_{name}.txt")
     return res
 
 
@@ -367,9 +371,11 @@ def main() -> None:
     ap.add_argument("--workloads", default="sft,dpo")
     ap.add_argument("--out", default="", help="also copy the results (and a partial file after each provider) here")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-providers", default="ours_flex", help="with --profile: which providers (comma-separated)")
     ap.add_argument("--attention-micro", action="store_true", help="attention-only flex vs dense timings at the end")
     args = ap.parse_args()
     args.steps = args.steps if not args.smoke else 2
+    args.profile_providers = args.profile_providers.split(",")
     sizes, device, vocab, seq_len = setup(args)
     if args.smoke:
         args.steps, args.max_warmup, args.max_measure_s = 2, 2, None

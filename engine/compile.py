@@ -35,7 +35,8 @@ The compiled artifacts go to the user's cache, `$XDG_CACHE_HOME/glm-lora/inducto
 (TORCHINDUCTOR_CACHE_DIR wins where it is set; `runs_dir/.cache/inductor` without a home directory): inductor names
 each entry by what decides it (the graph, torch's version and config, the C++ compiler), so another run directory,
 a fresh checkout or a CI clone on the same machine reuses what any of them compiled — the tiny SFT's compile on one
-thread: 21.3 s cold, 6.4 s warm (bench/RESULTS.md "Compiled once per machine").
+thread: 21.3 s cold, 6.4 s warm (bench/RESULTS.md "Compiled once per machine"); under bf16 autocast (the default's
+`precision: auto`) AOT autograd's graphs are cached too since AUTOCAST_CACHEABLE: on two threads 18.6 s warm → 3.5 s.
 """
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
 
 PAYBACK_STEPS = 400
 
+
+# The CPU attention leaves autocast for fp32 inside the graph (kernels.reference.attention_in_fp32), and AOT
+# autograd's cache refuses any graph holding autocast's enter/exit calls, so every run re-traced forward and backward
+# (~15 s of the tiny SFT's ~19 s warm compile on two cores, bench/RESULTS.md "AOT autograd's cache"). The two calls
+# are fixed by their constant arguments and torch's version, which keys the entry: marked cacheable for our compile.
+AUTOCAST_CACHEABLE = {f"torch.amp.autocast_mode.{f}": torch.__version__ for f in ("_enter_autocast", "_exit_autocast")}
 
 MODES = {True: None, "auto": None, "max-autotune": "max-autotune-no-cudagraphs"}     # setting -> torch.compile's mode
 
@@ -149,7 +156,9 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
             return compiled(*args, **kwargs)
         t = time.perf_counter()
         try:
-            out = compiled(*args, **kwargs)
+            from torch._inductor import config as inductor_config
+            with inductor_config.patch(unsafe_marked_cacheable_functions=AUTOCAST_CACHEABLE):
+                out = compiled(*args, **kwargs)
         except Exception as e:      # a genuine error in the model raises again from the eager call below
             first_line = (str(e).splitlines() or [""])[0][:300]
             info["compile_fallback"] = f"compile failed: {type(e).__name__}: {first_line}"

@@ -38,12 +38,13 @@ def packed(seed: int, B=3, T=16) -> dict:
     return {"input_ids": x, "labels": labels, "doc_ids": doc, "position_ids": pos, "packed": True}
 
 
-def run(model, n: int, **ctx) -> tuple[list[float], dict]:
+def run(model, n: int, bf16: bool = False, **ctx) -> tuple[list[float], dict]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     with compiled_training(model, device=CPU, **ctx) as info:
         for i in range(n):
-            loss, _ = causal_lm_loss(model, packed(i % 4))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):     # as `precision: auto` on AVX512-BF16
+                loss, _ = causal_lm_loss(model, packed(i % 4))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -80,6 +81,26 @@ def test_compiled_steps_learn_what_eager_steps_do(tmp_path, monkeypatch):
     kernels = list(cache.rglob("*.cpp"))
     assert kernels and not [k.name for k in kernels if "atomic_add" in k.read_text()]
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_second_compile_of_the_bf16_step_comes_from_aot_autograds_cache(tmp_path, monkeypatch):
+    """Under bf16 autocast the CPU attention leaves autocast for fp32 inside the graph, whose enter/exit calls AOT
+    autograd's cache refused: every run re-traced forward and backward (~15 s of the tiny SFT's warm compile). Marked
+    cacheable (engine.compile.AUTOCAST_CACHEABLE), a second compile of the same step is a cache hit, and it trains
+    the same losses bit for bit."""
+    from torch._dynamo.utils import counters
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if ec.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: the fallback tests cover this machine")
+    counters.clear()
+    first, info_1 = run(lora_model(), 4, bf16=True, enabled=True, runs_dir=tmp_path)
+    assert info_1["compile"] is True and counters["aot_autograd"]["autograd_cache_saved"] == 1, dict(counters["aot_autograd"])
+    torch._dynamo.reset()          # a new process, as far as dynamo's in-memory state goes
+    second, info_2 = run(lora_model(), 4, bf16=True, enabled=True, runs_dir=tmp_path)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert "autograd_cache_bypass" not in counters["aot_autograd"]
+    assert second == first
 
 
 def test_cache_dir_is_the_users_and_replaces_only_inductors_default(tmp_path, monkeypatch):

@@ -89,13 +89,13 @@ def test_a_second_compile_of_the_bf16_step_comes_from_aot_autograds_cache(tmp_pa
     cacheable (engine.compile.AUTOCAST_CACHEABLE), a second compile of the same step is a cache hit, and it trains
     the same losses bit for bit."""
     from torch._dynamo.utils import counters
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    if ec.cxx_compiler() is None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)       # the user's cache, as a stage uses it: warm
+    if ec.cxx_compiler() is None:                                       # after the first run on a machine
         pytest.skip("no C++ compiler: the fallback tests cover this machine")
     counters.clear()
     first, info_1 = run(lora_model(), 4, bf16=True, enabled=True, runs_dir=tmp_path)
-    assert info_1["compile"] is True and counters["aot_autograd"]["autograd_cache_saved"] == 1, dict(counters["aot_autograd"])
+    aot = counters["aot_autograd"]
+    assert info_1["compile"] is True and aot["autograd_cache_saved"] + aot["autograd_cache_hit"] == 1, dict(aot)
     torch._dynamo.reset()          # a new process, as far as dynamo's in-memory state goes
     second, info_2 = run(lora_model(), 4, bf16=True, enabled=True, runs_dir=tmp_path)
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])

@@ -13,6 +13,8 @@ bf16 autocast, fused AdamW):
                           autocast at each product (before 2026-12-04 pm; bench.workloads.norms_fused)
        ours_*_compiled    the same with model.hidden_states under torch.compile (as engine/compile.py compiles
                           it; inside it kernels "auto" takes the torch reference ops, fused by inductor)
+       ours_*_graphed     the same compiled with mode "reduce-overhead": forward and backward replayed as CUDA
+                          graphs (the step's launches from the host: one per graph instead of one per kernel)
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -67,7 +69,8 @@ from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
-       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "hf_liger_packed", "hf_liger_packed_bf16base", "hf_peft_padded")
+       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "ours_flex_graphed", "ours_sdpa_graphed", "hf_liger_packed", "hf_liger_packed_bf16base",
+       "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base",
        "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
        "ours_flex_simpo", "ours_flex_orpo", "ours_flex_shared", "ours_sdpa_shared")
@@ -195,10 +198,15 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
                                          out / f"profile_sft_{size}_{name}.txt")
             return {**res, "packing_check": check, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device, name)
-    if name.endswith("_compiled"):
-        model.hidden_states = torch.compile(model.hidden_states, dynamic=False)
+    if name.endswith(("_compiled", "_graphed")):
+        model.hidden_states = torch.compile(model.hidden_states, dynamic=False,
+                                            mode="reduce-overhead" if name.endswith("_graphed") else None)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
-    step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
+    if name.endswith("_graphed"):       # each step a new generation of the graphs' outputs
+        step = train_step(lambda b: (torch.compiler.cudagraph_mark_step_begin(), causal_lm_loss(model, b)[0])[1],
+                          opt, device)
+    else:
+        step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
     with our_kernels(name):
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=False) / 1e12

@@ -15,9 +15,8 @@ bf16 autocast, fused AdamW):
                           it; inside it kernels "auto" takes the torch reference ops, fused by inductor)
        ours_*_graphed     the same compiled with mode "reduce-overhead": forward and backward replayed as CUDA
                           graphs (the step's launches from the host: one per graph instead of one per kernel)
-       ours_*_graphstep   the whole loss (blocks and the lm_head / CE on the answer rows) compiled as CUDA graphs:
-                          each batch's answer positions padded to one bound (the run's most, rounded up to 1,024),
-                          the pads masked, so every step has the same shapes (static_lm_loss)
+       ours_sdpa_cudagraph  ours_sdpa with the blocks' forward and backward captured as CUDA graphs as they are
+                          (torch.cuda.make_graphed_callables: our Triton kernels, no compile; autocast's cast cache off)
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -61,10 +60,10 @@ from bench.common import write_result
 from bench.e2e_dpo_gpu import BETA, naive_dpo_loss
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, autocast, decoder_config, free,
                              hf_model, hf_peft, our_model, parser, precision_note, result_name, scaled_lengths,
-                             norms_fused, setup, siblings_stacked, timed_steps, train_step)
+                             norms_fused, setup, siblings_stacked, timed_steps, to_device, train_step, amp_dtype)
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
-from glm_lora.engine.losses import IGNORE, PreferenceLoss, _shifted, causal_lm_loss
+from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
 from glm_lora.model import inject_lora
@@ -72,7 +71,7 @@ from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
-       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "ours_flex_graphed", "ours_sdpa_graphed", "ours_flex_graphstep", "ours_sdpa_graphstep", "hf_liger_packed", "hf_liger_packed_bf16base",
+       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "ours_flex_graphed", "ours_sdpa_graphed", "ours_sdpa_cudagraph", "hf_liger_packed", "hf_liger_packed_bf16base",
        "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base",
        "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
@@ -201,16 +200,16 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
                                          out / f"profile_sft_{size}_{name}.txt")
             return {**res, "packing_check": check, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device, name)
-    if name.endswith("_graphstep"):
-        packed = padded_targets(packed)
-        loss_of = torch.compile(lambda b: static_lm_loss(model, b), dynamic=False, mode="reduce-overhead")
+    if name.endswith("_cudagraph"):
+        with our_kernels(name):
+            graph_blocks(model, packed[0], device)
     if name.endswith(("_compiled", "_graphed")):
         model.hidden_states = torch.compile(model.hidden_states, dynamic=False,
                                             mode="reduce-overhead" if name.endswith("_graphed") else None)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
-    if name.endswith(("_graphed", "_graphstep")):       # each step a new generation of the graphs' outputs
-        fwd = loss_of if name.endswith("_graphstep") else (lambda b: causal_lm_loss(model, b)[0])
-        step = train_step(lambda b: (torch.compiler.cudagraph_mark_step_begin(), fwd(b))[1], opt, device)
+    if name.endswith("_graphed"):       # each step a new generation of the graphs' outputs
+        step = train_step(lambda b: (torch.compiler.cudagraph_mark_step_begin(), causal_lm_loss(model, b)[0])[1],
+                          opt, device)
     else:
         step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
     with our_kernels(name):
@@ -222,22 +221,23 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
     return res
 
 
-def padded_targets(batches: list[dict], multiple: int = 1024) -> list[dict]:
-    """`*_graphstep`'s batches: target_positions padded to one bound for all (pads point at row 0, masked)."""
-    bound = -(-max(len(b["target_positions"]) for b in batches) // multiple) * multiple
-    return [{**b, "target_positions": torch.cat([b["target_positions"], b["target_positions"].new_zeros(
-                bound - len(b["target_positions"]))]),
-             "target_valid": torch.arange(bound) < len(b["target_positions"])} for b in batches]
+class _Blocks(torch.nn.Module):
+    """model.hidden_states as a module of its own, so make_graphed_callables sees the adapter's parameters."""
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.eager = model, model.hidden_states
+
+    def forward(self, input_ids, position_ids, doc_ids):
+        return self.eager(input_ids, position_ids, doc_ids)
 
 
-def static_lm_loss(model, batch) -> torch.Tensor:
-    """causal_lm_loss over padded target positions: the same mean NLL, shapes fixed by the bound."""
-    hidden, labels = _shifted(model, batch)
-    keep = batch["target_positions"]
-    labels = torch.where(batch["target_valid"], labels.flatten().index_select(0, keep), IGNORE)
-    loss_sum, count = kernels.linear_cross_entropy(hidden.flatten(0, 1).index_select(0, keep),
-                                                   model.lm_head.weight, labels)
-    return loss_sum / count.clamp(min=1)
+def graph_blocks(model, batch: dict, device) -> None:
+    """`*_cudagraph`: replace model.hidden_states by its CUDA-graphed forward / backward (shapes of `batch`)."""
+    sample = to_device(batch, device)
+    with torch.autocast("cuda", dtype=amp_dtype(), cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(
+            _Blocks(model), (sample["input_ids"], sample["position_ids"], sample["doc_ids"]), allow_unused_input=True)
+    model.hidden_states = lambda ids, pos, docs, prefix_docs=None: graphed(ids, pos, docs)
 
 
 def _padded_sft(src, k, n_batches):

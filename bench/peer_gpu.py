@@ -15,8 +15,9 @@ bf16 autocast, fused AdamW):
                           it; inside it kernels "auto" takes the torch reference ops, fused by inductor)
        ours_*_graphed     the same compiled with mode "reduce-overhead": forward and backward replayed as CUDA
                           graphs (the step's launches from the host: one per graph instead of one per kernel)
-       ours_sdpa_cudagraph  ours_sdpa with the blocks' forward and backward captured as CUDA graphs as they are
-                          (torch.cuda.make_graphed_callables: our Triton kernels, no compile; autocast's cast cache off)
+       ours_*_cudagraph   the same with the blocks' training forward and backward replayed as CUDA graphs, our
+                          kernels as they are (`cuda_graphs: true`, engine/cuda_graphs.py); DPO: the policy's
+                          forward (the reference pass under no_grad runs eager), also ours_*_shared_cudagraph
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads
@@ -60,22 +61,24 @@ from bench.common import write_result
 from bench.e2e_dpo_gpu import BETA, naive_dpo_loss
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, autocast, decoder_config, free,
                              hf_model, hf_peft, our_model, parser, precision_note, result_name, scaled_lengths,
-                             norms_fused, setup, siblings_stacked, timed_steps, to_device, train_step, amp_dtype)
+                             norms_fused, setup, siblings_stacked, timed_steps, train_step)
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
 from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
+from glm_lora.engine.cuda_graphs import graphed_training
 from glm_lora.model import inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.configs.schema import LoRAConfig
 
 SFT = ("ours_flex", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base", "ours_flex_nogroup", "ours_sdpa_nogroup",
-       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "ours_flex_graphed", "ours_sdpa_graphed", "ours_sdpa_cudagraph", "hf_liger_packed", "hf_liger_packed_bf16base",
+       "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "ours_flex_compiled", "ours_sdpa_compiled", "ours_flex_graphed", "ours_sdpa_graphed", "ours_flex_cudagraph", "ours_sdpa_cudagraph", "hf_liger_packed", "hf_liger_packed_bf16base",
        "hf_peft_padded")
 DPO = ("ours_flex", "hf_liger_packed", "hf_peft_naive", "ours_sdpa", "ours_varlen", "ours_flex_fp32base", "ours_sdpa_fp32base",
        "ours_flex_nogroup", "ours_sdpa_nogroup", "ours_flex_unfusednorm", "ours_sdpa_unfusednorm", "hf_liger_packed_bf16base",
-       "ours_flex_simpo", "ours_flex_orpo", "ours_flex_shared", "ours_sdpa_shared")
+       "ours_flex_simpo", "ours_flex_orpo", "ours_flex_shared", "ours_sdpa_shared", "ours_flex_cudagraph", "ours_sdpa_cudagraph",
+       "ours_flex_shared_cudagraph", "ours_sdpa_shared_cudagraph")
 T0 = time.perf_counter()
 
 
@@ -200,9 +203,6 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
                                          out / f"profile_sft_{size}_{name}.txt")
             return {**res, "packing_check": check, "hf_mask": anchors.HF_MASK["mode"]}
     model = ours(cfg, device, name)
-    if name.endswith("_cudagraph"):
-        with our_kernels(name):
-            graph_blocks(model, packed[0], device)
     if name.endswith(("_compiled", "_graphed")):
         model.hidden_states = torch.compile(model.hidden_states, dynamic=False,
                                             mode="reduce-overhead" if name.endswith("_graphed") else None)
@@ -212,32 +212,14 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
                           opt, device)
     else:
         step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
-    with our_kernels(name):
+    with our_kernels(name), graphed_training(model, name.endswith("_cudagraph"), device=device, name=name) as graphs:
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
+        res["cuda_graphs"] = graphs
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=False) / 1e12
         res["model_tflop_per_s"] = res["model_tflops_per_step"] / (res["step_ms_mean"] / 1000)
         if args.profile and name in args.profile_providers and out is not None:
             res["profile"] = profile(step, packed[n_batches:n_batches + 3], device, out / f"profile_sft_{size}_{name}.txt")
     return res
-
-
-class _Blocks(torch.nn.Module):
-    """model.hidden_states as a module of its own, so make_graphed_callables sees the adapter's parameters."""
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.eager = model, model.hidden_states
-
-    def forward(self, input_ids, position_ids, doc_ids):
-        return self.eager(input_ids, position_ids, doc_ids)
-
-
-def graph_blocks(model, batch: dict, device) -> None:
-    """`*_cudagraph`: replace model.hidden_states by its CUDA-graphed forward / backward (shapes of `batch`)."""
-    sample = to_device(batch, device)
-    with torch.autocast("cuda", dtype=amp_dtype(), cache_enabled=False):
-        graphed = torch.cuda.make_graphed_callables(
-            _Blocks(model), (sample["input_ids"], sample["position_ids"], sample["doc_ids"]), allow_unused_input=True)
-    model.hidden_states = lambda ids, pos, docs, prefix_docs=None: graphed(ids, pos, docs)
 
 
 def _padded_sft(src, k, n_batches):
@@ -291,10 +273,11 @@ def dpo(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
     kind = name.rsplit("_", 1)[1] if name.endswith(("_simpo", "_orpo")) else "dpo"   # reference-free: one forward
     loss = PreferenceLoss(beta=BETA, nll_weight=0.0, kind=kind)
     step = train_step(lambda b: loss(model, b)[0], opt, device)
-    if name.endswith("_shared"):
+    if "_shared" in name:
         packed = packed_batches(src, n_batches + 3, seq_len, group_size=2, share_prefix=True)
-    with our_kernels(name):
+    with our_kernels(name), graphed_training(model, name.endswith("_cudagraph"), device=device, name=name) as graphs:
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
+        res["cuda_graphs"] = graphs
         res.update(pair_rates(res, packed[:n_batches]))
         res["model_tflops_per_step"] = flops_per_step(cfg, packed[:n_batches], dpo=True) / 1e12
         res["model_tflop_per_s"] = res["model_tflops_per_step"] / (res["step_ms_mean"] / 1000)

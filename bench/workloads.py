@@ -166,10 +166,6 @@ def norms_fused(on: bool):
         kernels.add_rms_norm, m._matmul_input_dtype = fused, dtype
 
 
-def amp_dtype() -> torch.dtype | None:
-    return _amp["dtype"]
-
-
 def autocast(device: torch.device):
     if device.type != "cuda" or _amp["dtype"] is None:
         return contextlib.nullcontext()

@@ -21,6 +21,7 @@ from glm_lora.data.pipeline import StageData
 from glm_lora.engine import dist, progress
 from glm_lora.engine.checkpoint import Checkpointer
 from glm_lora.engine.compile import compiled_training
+from glm_lora.engine.cuda_graphs import graphed_training
 from glm_lora.engine.heldout import validation_loss
 from glm_lora.engine.trainer import Runtime, train
 from glm_lora.model import DecoderConfig
@@ -90,13 +91,15 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
                              "loss": window.get("loss"), "tokens_per_s": window.get("tokens_per_s"),
                              "elapsed_s": window.get("elapsed_s")})
         with compiled_training(model, tc.compile, device=rt.device, dist=d, runs_dir=cfg.runs_dir,
-                               name=stage, steps=tc.max_steps) as compiled:
+                               name=stage, steps=tc.max_steps) as compiled, \
+                graphed_training(model, tc.cuda_graphs, device=rt.device, dist=d, grad_accum=tc.grad_accum,
+                                 name=stage) as graphed:
             summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
                             on_log=on_log if rt.main else None)
     losses = summary.pop("losses")
     if rt.main:
         (Path(out_dir) / LOSSES).write_text(json.dumps(losses))
-    return {**summary, **ckpt.metrics(), **summary_data, **extra, **compiled, "checkpoints": str(ckpt.root)}
+    return {**summary, **ckpt.metrics(), **summary_data, **extra, **compiled, **graphed, "checkpoints": str(ckpt.root)}
 
 
 def consolidated(model, rt: Runtime, build: Callable[[], torch.nn.Module]):

@@ -255,8 +255,8 @@ def document_causal_mask(doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None
     The mask last built comes back while the same tensors return unchanged (same objects, same in-place
     version, same attention choice): DPO's policy and reference forwards over one batch build it once, where
     FlexAttention's block mask costs ~3 ms a build, mostly host time the GPU waits for."""
-    if torch.compiler.is_compiling():
-        return _document_causal_mask(doc_ids, prefix_docs)
+    if torch.compiler.is_compiling() or (doc_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _document_causal_mask(doc_ids, prefix_docs)     # a graph builds its mask: none baked in from outside
     state = (doc_ids._version, None if prefix_docs is None else prefix_docs._version, _ATTENTION)
     if _last_mask:
         (ids, prefix, last_state), mask = _last_mask[0]

@@ -1,0 +1,114 @@
+"""`<stage>.cuda_graphs`: the decoder blocks' training forward and backward replayed as CUDA graphs.
+
+Why: a small model's step on a fast GPU is bound by the host's kernel launches, not the GPU. The 125M LoRA SFT
+step (8 x 2048 packed rows) keeps an H100 busy ~44 ms of a 64-95 ms step, and the gap follows the host's CPU
+(bench/RESULTS.md "The 125M LoRA step is launch-bound"). Captured once, the blocks' ~1,400 launches become two
+graph launches a step, our Triton kernels and cuDNN's attention as they are (no compile): the step then takes its
+GPU time, 43.8 ms on the same H100s ("CUDA graphs for the 125M LoRA step").
+
+How: `torch.cuda.make_graphed_callables` over `model.hidden_states` on the first training batch's shapes (a
+packed stage's rows are always batch_size x seq_len). Parameters stay where they are, so the optimizer's in-place
+updates are what the next replay reads; each call copies its batch into the graph's input buffers. The graphed
+path runs only for a training forward with gradients on and the same shapes: validation, decoding, a reference
+forward under no_grad (DPO's adapter-off pass) and any other shape run eager. The document mask is built inside
+the graph from each batch's doc_ids (kernels.document_causal_mask keeps no cached mask while a stream captures).
+
+Where it can't work it runs eager with a warning: not CUDA, several processes (DDP/FSDP2 hook the gradients),
+a mixture-of-experts model (expert batches change size every step), activation checkpointing, gradient
+accumulation, or a capture that fails (the stage then goes on eager); padded rows (no doc_ids) run eager. Exclusive with
+`compile: true` (torch.compile's own CUDA graphs are `reduce-overhead`; checked by the config).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger("glm_lora.engine")
+
+
+def unavailable(device: torch.device, dist, model: torch.nn.Module, grad_accum: int = 1) -> str | None:
+    """Why the blocks can't be graphed here, or None if they can."""
+    if device.type != "cuda":
+        return f"device {device.type} (CUDA graphs need a CUDA device)"
+    if dist is not None:
+        return "several processes (torchrun): DDP/FSDP2 act on the gradients as they are made"
+    if getattr(getattr(getattr(model, "config", None), "layout", None), "moe", False):
+        return "mixture-of-experts layers (each step's expert batches have new sizes)"
+    if getattr(model, "gradient_checkpointing", False):
+        return "activation_checkpointing (blocks recomputed in backward: not measured under capture)"
+    if grad_accum > 1:
+        return ("gradient accumulation: the backward graph hands out its own gradient buffers, which autograd may "
+                "keep as .grad, and the next micro-batch's replay would overwrite them")
+    return None
+
+
+class _Blocks(torch.nn.Module):
+    """The model's eager hidden_states as a module: make_graphed_callables takes a module's parameters as the
+    graph's inputs, so the adapter's gradients come out of the backward graph."""
+
+    def __init__(self, model: torch.nn.Module, eager):
+        super().__init__()
+        self.model, self.eager = model, eager
+
+    def forward(self, input_ids, position_ids, doc_ids, prefix_docs=None):
+        return self.eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
+
+
+@contextlib.contextmanager
+def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.device, dist=None,
+                     grad_accum: int = 1, name: str = "train") -> Iterator[dict]:
+    """Inside the block, `model.hidden_states` replays CUDA graphs for training forwards (see the module doc).
+    Yields a dict the stage reports: cuda_graphs (bool: used), cuda_graphs_capture_s, cuda_graphs_fallback (why
+    eager, if asked for and not used)."""
+    info: dict = {"cuda_graphs": False}
+    why = unavailable(device, dist, model, grad_accum) if enabled else None
+    if not enabled or why:
+        if why:
+            log.warning("%s.cuda_graphs: running eager: %s", name, why)
+            info["cuda_graphs_fallback"] = why
+        yield info
+        return
+    eager = model.hidden_states
+    graph: dict = {}                # "fn": the graphed callable, "key": the inputs' shapes it was captured for
+
+    def hidden_states(input_ids, position_ids=None, doc_ids=None, cache=None, prefix_docs=None):
+        plain = (not model.training or not torch.is_grad_enabled() or cache is not None or doc_ids is None
+                 or position_ids is None or info.get("cuda_graphs_fallback"))
+        args = (input_ids, position_ids, doc_ids) + (() if prefix_docs is None else (prefix_docs,))
+        key = tuple(a.shape for a in args) if not plain else None
+        if plain or graph.get("key", key) != key:
+            return eager(input_ids, position_ids, doc_ids, cache=cache, prefix_docs=prefix_docs)
+        if "fn" not in graph:
+            t = time.perf_counter()
+            try:
+                graph["fn"] = _capture(model, eager, args)
+            except Exception as e:
+                first_line = (str(e).splitlines() or [""])[0][:300]
+                info["cuda_graphs_fallback"] = f"capture failed: {type(e).__name__}: {first_line}"
+                log.warning("%s.cuda_graphs: running eager: %s", name, info["cuda_graphs_fallback"])
+                return eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
+            graph["key"] = key
+            info.update(cuda_graphs=True, cuda_graphs_capture_s=round(time.perf_counter() - t, 3))
+            log.info("%s.cuda_graphs: blocks captured in %.1f s for rows %s", name, info["cuda_graphs_capture_s"],
+                     tuple(input_ids.shape))
+        return graph["fn"](*args)
+
+    model.hidden_states = hidden_states             # an instance attribute shadows the method
+    try:
+        yield info
+    finally:
+        del model.hidden_states
+
+
+def _capture(model, eager, args: tuple):
+    """Warm up and capture on copies of the first batch (make_graphed_callables runs three warm-up passes: Triton
+    autotuning happens there, outside the capture). Autocast's cast cache must be off while capturing: a cached
+    cast made outside the graph would be baked into it."""
+    sample = tuple(t.clone() for t in args)
+    amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False):
+        return torch.cuda.make_graphed_callables(_Blocks(model, eager), sample, allow_unused_input=True)

@@ -1,0 +1,45 @@
+"""`<stage>.cuda_graphs` (engine/cuda_graphs.py) where no GPU is: every case the blocks can't be graphed in runs
+eager with its reason, the model untouched; the config refuses it beside `compile: true`. (What the graphs
+compute is checked on a GPU: tests/gpu/test_cuda_graphs_gpu.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm_lora.configs import ConfigError, load_config
+from glm_lora.engine.cuda_graphs import graphed_training, unavailable
+from glm_lora.model import Decoder, DecoderConfig
+
+CUDA = torch.device("cuda")    # a device object only: nothing here runs on it
+
+
+def model() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig(vocab_size=61, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=48, max_seq_len=32)).train()
+
+
+def test_on_the_cpu_the_stage_runs_eager_and_says_why():
+    m = model()
+    method = m.hidden_states
+    with graphed_training(m, True, device=torch.device("cpu"), name="sft") as info:
+        assert m.hidden_states == method                 # not wrapped
+    assert info == {"cuda_graphs": False, "cuda_graphs_fallback": "device cpu (CUDA graphs need a CUDA device)"}
+    with graphed_training(m, False, device=CUDA) as info:
+        assert m.hidden_states == method
+    assert info == {"cuda_graphs": False}
+
+
+def test_every_case_it_cannot_capture_has_its_reason():
+    m = model()
+    assert unavailable(CUDA, None, m) is None
+    assert "several processes" in unavailable(CUDA, object(), m)
+    assert "gradient accumulation" in unavailable(CUDA, None, m, grad_accum=2)
+    m.gradient_checkpointing = True
+    assert "activation_checkpointing" in unavailable(CUDA, None, m)
+
+
+def test_the_config_refuses_it_beside_a_compiled_step():
+    with pytest.raises(ConfigError, match="sft: cuda_graphs: true with compile: True: choose one"):
+        load_config("tiny", {"sft.cuda_graphs": True, "sft.compile": True})
+    assert load_config("tiny", {"sft.cuda_graphs": True, "sft.compile": "auto"}).sft.cuda_graphs is True

@@ -16,6 +16,8 @@ Providers, all on the same token batches:
                         its label filter is data-dependent); a compile error is recorded
   ours_fused_cudagraphs the same compiled with mode="reduce-overhead": inductor's graphs replayed as CUDA graphs
                         (cudagraph trees, forward and backward), one launch per graph instead of one per kernel
+  ours_fused_graphs     kernels "auto" eager, the blocks' forward and backward replayed as CUDA graphs as the stages
+                        replay them with `cuda_graphs: true` (engine.cuda_graphs: our Triton kernels, no compile)
   ours_fused_autotune   the same with `compile: max-autotune` (mode "max-autotune-no-cudagraphs"): inductor times its
                         Triton GEMM templates against cuBLAS for each of the step's shapes and keeps the faster
   ours_*_cudnn          the same with SDPA's causal attention on cuDNN's kernels (torch.nn.attention.sdpa_kernel;
@@ -38,12 +40,13 @@ from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
                              norms_fused, ratios, selected, setup, siblings_stacked, table, timed)
 from glm_lora.engine.compile import compiled_training
+from glm_lora.engine.cuda_graphs import graphed_training
 from glm_lora.engine.losses import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import DecoderConfig
 
 PROVIDERS = ("hf_eager", "hf_compiled", "ours_reference", "ours_fused", "ours_fused_nostack", "ours_fused_unfusednorm",
-             "ours_fused_compiled", "ours_fused_cudagraphs", "ours_fused_autotune", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
+             "ours_fused_compiled", "ours_fused_cudagraphs", "ours_fused_graphs", "ours_fused_autotune", "ours_fused_cudnn", "ours_fused_compiled_cudnn")
 BASE = "hf_eager"
 PEAK_FLOPS = 790e12
 MFU_FORMULA = "tokens/s * (6*N_nonembedding + 12*L*h*seq) / 790e12; N_nonembedding excludes embed_tokens and lm_head"
@@ -101,11 +104,12 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device: torch.
     cudnn = sdpa_backend("cudnn" if name.endswith("_cudnn") else None)
     compiled = (compiled_training(model, setting, device=device, runs_dir=Path(tempfile.mkdtemp()), name=name)
                 if setting else contextlib.nullcontext({}))
+    replayed = graphed_training(model, name == "ours_fused_graphs", device=device, name=name)
     with kernels.using("reference" if name == "ours_reference" else "auto"), siblings_stacked(not name.endswith("_nostack")), \
-            norms_fused(not name.endswith("_unfusednorm")), cudnn, compiled as info:
+            norms_fused(not name.endswith("_unfusednorm")), cudnn, compiled as info, replayed as graphs:
         out = {**timed(train_step(loss_of, opt, device), batches, args.warmup, device), "params": params}
-    if info.get("compile_fallback") or info.get("compile_skipped"):
-        raise RuntimeError(f"{name}: ran eager: {info.get('compile_fallback') or info.get('compile_skipped')}")
+    if info.get("compile_fallback") or info.get("compile_skipped") or graphs.get("cuda_graphs_fallback"):
+        raise RuntimeError(f"{name}: ran eager: {info.get('compile_fallback') or info.get('compile_skipped') or graphs}")
     return out
 
 
@@ -123,7 +127,7 @@ def main() -> None:
                        "flops_per_token_incl_lm_head": per_token + 6 * cfg.hidden_size * vocab}
         rows = {}
         for p in selected(args, PROVIDERS):
-            if args.smoke and ("compiled" in p or p.endswith(("_cudnn", "_cudagraphs", "_autotune"))):
+            if args.smoke and ("compiled" in p or p.endswith(("_cudnn", "_cudagraphs", "_graphs", "_autotune"))):
                 rows[p] = {"skipped": "--smoke: no compile, no cuDNN"}
                 continue
             rows[p] = r = guarded(lambda: run(p, cfg, batches, args, device), device)

@@ -9,13 +9,14 @@ GPU time, 43.8 ms on the same H100s ("CUDA graphs for the 125M LoRA step").
 How: `torch.cuda.make_graphed_callables` over `model.hidden_states` on the first training batch's shapes (a
 packed stage's rows are always batch_size x seq_len). Parameters stay where they are, so the optimizer's in-place
 updates are what the next replay reads; each call copies its batch into the graph's input buffers. The graphed
-path runs only for a training forward with gradients on and the same shapes: validation, decoding, a reference
-forward under no_grad (DPO's adapter-off pass) and any other shape run eager. The document mask is built inside
+path runs only for a training forward with gradients on and the same inputs (shapes, and which of position_ids /
+doc_ids / prefix_docs are given) as the captured one: validation, decoding, a reference forward under no_grad
+(DPO's adapter-off pass) and any other shape run eager. The document mask is built inside
 the graph from each batch's doc_ids (kernels.document_causal_mask keeps no cached mask while a stream captures).
 
 Where it can't work it runs eager with a warning: not CUDA, several processes (DDP/FSDP2 hook the gradients),
 a mixture-of-experts model (expert batches change size every step), activation checkpointing, gradient
-accumulation, or a capture that fails (the stage then goes on eager); padded rows (no doc_ids) run eager. Exclusive with
+accumulation, or a capture that fails (the stage then goes on eager). Exclusive with
 `compile: true` (torch.compile's own CUDA graphs are `reduce-overhead`; checked by the config).
 """
 from __future__ import annotations
@@ -48,14 +49,15 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module, grad_accum: 
 
 class _Blocks(torch.nn.Module):
     """The model's eager hidden_states as a module: make_graphed_callables takes a module's parameters as the
-    graph's inputs, so the adapter's gradients come out of the backward graph."""
+    graph's inputs, so the adapter's gradients come out of the backward graph. `given`: the names of the optional
+    inputs the captured call had (position_ids, doc_ids, prefix_docs), passed positionally after input_ids."""
 
-    def __init__(self, model: torch.nn.Module, eager):
+    def __init__(self, model: torch.nn.Module, eager, given: tuple[str, ...]):
         super().__init__()
-        self.model, self.eager = model, eager
+        self.model, self.eager, self.given = model, eager, given
 
-    def forward(self, input_ids, position_ids, doc_ids, prefix_docs=None):
-        return self.eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
+    def forward(self, input_ids, *optional):
+        return self.eager(input_ids, **dict(zip(self.given, optional)))
 
 
 @contextlib.contextmanager
@@ -76,16 +78,17 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
     graph: dict = {}                # "fn": the graphed callable, "key": the inputs' shapes it was captured for
 
     def hidden_states(input_ids, position_ids=None, doc_ids=None, cache=None, prefix_docs=None):
-        plain = (not model.training or not torch.is_grad_enabled() or cache is not None or doc_ids is None
-                 or position_ids is None or info.get("cuda_graphs_fallback"))
-        args = (input_ids, position_ids, doc_ids) + (() if prefix_docs is None else (prefix_docs,))
-        key = tuple(a.shape for a in args) if not plain else None
+        optional = {"position_ids": position_ids, "doc_ids": doc_ids, "prefix_docs": prefix_docs}
+        given = tuple(k for k, v in optional.items() if v is not None)
+        args = (input_ids, *(optional[k] for k in given))
+        plain = not model.training or not torch.is_grad_enabled() or cache is not None or "cuda_graphs_fallback" in info
+        key = None if plain else (given, tuple(a.shape for a in args))
         if plain or graph.get("key", key) != key:
             return eager(input_ids, position_ids, doc_ids, cache=cache, prefix_docs=prefix_docs)
         if "fn" not in graph:
             t = time.perf_counter()
             try:
-                graph["fn"] = _capture(model, eager, args)
+                graph["fn"] = _capture(_Blocks(model, eager, given), args)
             except Exception as e:
                 first_line = (str(e).splitlines() or [""])[0][:300]
                 info["cuda_graphs_fallback"] = f"capture failed: {type(e).__name__}: {first_line}"
@@ -104,11 +107,11 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
         del model.hidden_states
 
 
-def _capture(model, eager, args: tuple):
+def _capture(blocks: _Blocks, args: tuple):
     """Warm up and capture on copies of the first batch (make_graphed_callables runs three warm-up passes: Triton
     autotuning happens there, outside the capture). Autocast's cast cache must be off while capturing: a cached
     cast made outside the graph would be baked into it."""
     sample = tuple(t.clone() for t in args)
     amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False):
-        return torch.cuda.make_graphed_callables(_Blocks(model, eager), sample, allow_unused_input=True)
+        return torch.cuda.make_graphed_callables(blocks, sample, allow_unused_input=True)

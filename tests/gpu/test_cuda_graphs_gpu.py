@@ -42,11 +42,11 @@ def _model() -> Decoder:
     return model
 
 
-def _train(enabled: bool, batches: list[dict], amp: torch.dtype | None):
+def _train(enabled: bool, batches: list[dict], amp: torch.dtype | None, attention: str = "sdpa"):
     model = _model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
-    with kernels.using("auto", "sdpa"), graphed_training(model, enabled, device=CUDA) as info:
+    with kernels.using("auto", attention), graphed_training(model, enabled, device=CUDA) as info:
         for b in batches:
             with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
                 loss, _ = causal_lm_loss(model, b)
@@ -60,11 +60,16 @@ def _train(enabled: bool, batches: list[dict], amp: torch.dtype | None):
     return losses, adapter, reference, info
 
 
-@pytest.mark.parametrize("amp,tol", [(None, 1e-3), (torch.bfloat16, 2e-2)])
-def test_graphed_blocks_train_what_eager_blocks_train(amp, tol):
+@pytest.mark.parametrize("amp,tol,attention,packed", [(None, 1e-3, "sdpa", True), (torch.bfloat16, 2e-2, "sdpa", True),
+                                                      (None, 1e-3, "flex", True), (None, 1e-3, "sdpa", False)])
+def test_graphed_blocks_train_what_eager_blocks_train(amp, tol, attention, packed):
+    """flex: FlexAttention's block mask, built inside the graph too (what attention "auto" takes at 1B); unpacked:
+    rows with neither doc_ids nor position_ids (plain causal attention, as a padded stage or a pretraining bench)."""
     batches = _batches(6) * 2
-    eager, w_eager, ref_eager, info_e = _train(False, batches, amp)
-    graphed, w_graphed, ref_graphed, info_g = _train(True, batches, amp)
+    if not packed:
+        batches = [{"input_ids": b["input_ids"], "labels": b["labels"], "packed": False} for b in batches]
+    eager, w_eager, ref_eager, info_e = _train(False, batches, amp, attention)
+    graphed, w_graphed, ref_graphed, info_g = _train(True, batches, amp, attention)
     assert info_e == {"cuda_graphs": False}
     assert info_g["cuda_graphs"] is True and "cuda_graphs_fallback" not in info_g, info_g
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=tol, atol=tol)
@@ -74,15 +79,16 @@ def test_graphed_blocks_train_what_eager_blocks_train(amp, tol):
     assert graphed[-1] < graphed[0] - 0.5          # it learned (6 batches seen twice)
 
 
-def test_a_graph_does_not_keep_the_capture_batchs_document_mask():
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_a_graph_does_not_keep_the_capture_batchs_document_mask(attention):
     """The mask cache (kernels.document_causal_mask) hands back the mask last built for the same doc_ids tensor;
     make_graphed_callables warms up on the very tensors it then captures with, so without the capture check the
     graph would replay the first batch's mask for every batch."""
     a, b = _batches(2)
     model = _model()
-    with kernels.using("auto", "sdpa"), graphed_training(model, True, device=CUDA):
+    with kernels.using("auto", attention), graphed_training(model, True, device=CUDA):
         model.hidden_states(a["input_ids"], a["position_ids"], a["doc_ids"])               # captures on batch a
         graphed = model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"]).detach().clone()
-    with kernels.using("auto", "sdpa"):
+    with kernels.using("auto", attention):
         eager = model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"])
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)

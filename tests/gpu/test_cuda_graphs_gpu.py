@@ -55,7 +55,8 @@ def _train(enabled: bool, batches: list[dict], amp: torch.dtype | None, attentio
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
         with torch.no_grad(), lora_disabled(model):      # DPO's reference pass: eager, the adapter off
-            reference = model.hidden_states(batches[0]["input_ids"], batches[0]["position_ids"], batches[0]["doc_ids"])
+            b = batches[0]
+            reference = model.hidden_states(b["input_ids"], b.get("position_ids"), b.get("doc_ids"))
     adapter = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     return losses, adapter, reference, info
 

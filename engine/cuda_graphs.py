@@ -4,7 +4,7 @@ Why: a small model's step on a fast GPU is bound by the host's kernel launches, 
 step (8 x 2048 packed rows) keeps an H100 busy ~44 ms of a 64-95 ms step, and the gap follows the host's CPU
 (bench/RESULTS.md "The 125M LoRA step is launch-bound"). Captured once, the blocks' ~1,400 launches become two
 graph launches a step, our Triton kernels and cuDNN's attention as they are (no compile): the step then takes its
-GPU time, 43.8 ms on the same H100s ("CUDA graphs for the 125M LoRA step").
+GPU time, 43.8-44.1 ms on the same H100s (bench/RESULTS.md "CUDA graphs for a launch-bound LoRA step").
 
 How: `torch.cuda.make_graphed_callables` over `model.hidden_states` on the first training batch's shapes (a
 packed stage's rows are always batch_size x seq_len). Parameters stay where they are, so the optimizer's in-place
@@ -75,7 +75,7 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
         yield info
         return
     eager = model.hidden_states
-    graph: dict = {}                # "fn": the graphed callable, "key": the inputs' shapes it was captured for
+    graph: dict = {}                # "fn": the graphed callable, "key": the inputs (names, shapes) it was captured for
 
     def hidden_states(input_ids, position_ids=None, doc_ids=None, cache=None, prefix_docs=None):
         optional = {"position_ids": position_ids, "doc_ids": doc_ids, "prefix_docs": prefix_docs}

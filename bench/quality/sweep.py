@@ -62,7 +62,8 @@ def run_job(job: dict, out: Path) -> None:
     e = m["eval"]
     res = {"name": name, "job": job, "secs": round(time.time() - t), "em": e["exact_match"], "min": e["min_family"],
            "fam": e["per_family"], "fixed_right": e["fixed_right"], "fixed": e["fixed"],
-           "val": m.get("val_losses"), "best_step": m.get("best_step"), "dpo": []}
+           "val": m.get("val_losses"), "best_step": m.get("best_step"),
+           "graphs": {k: v for k, v in m.items() if k.startswith("cuda_graphs")}, "dpo": []}
     (sdir / "manifest.json").write_text(json.dumps({"digest": name + "-sft", "metrics": {}}))
     for i, dsets in enumerate(job.get("dpo", [])):
         dcfg = load_config("tiny", {**ov, **{k: parse_value(v) for k, v in (a.split("=", 1) for a in dsets)}})
@@ -71,7 +72,8 @@ def run_job(job: dict, out: Path) -> None:
             dm = dpo.run(dcfg, {"base": base_pre, "sft": sdir, "tokenizer": HERE / "tokenizer", "data": data}, ddir)
             de = dm["eval"]
             res["dpo"].append({"set": dsets, **{k: v for k, v in de.items() if k not in ("samples",)},
-                               "val": dm.get("val_losses"), "best_step": dm.get("best_step")})
+                               "val": dm.get("val_losses"), "best_step": dm.get("best_step"),
+                               "graphs": {k: v for k, v in dm.items() if k.startswith("cuda_graphs")}})
         except Exception as ex:
             res["dpo"].append({"set": dsets, "error": repr(ex)})
     with open(out / "results.jsonl", "a") as f:

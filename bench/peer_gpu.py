@@ -207,11 +207,12 @@ def sft(name, size, src, args, device, vocab, seq_len, out: Path | None) -> dict
         model.hidden_states = torch.compile(model.hidden_states, dynamic=False,
                                             mode="reduce-overhead" if name.endswith("_graphed") else None)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
-    if name.endswith("_graphed"):       # each step a new generation of the graphs' outputs
-        step = train_step(lambda b: (torch.compiler.cudagraph_mark_step_begin(), causal_lm_loss(model, b)[0])[1],
-                          opt, device)
-    else:
-        step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
+
+    def loss_of(b):
+        if name.endswith("_graphed"):   # a new step: the previous replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return causal_lm_loss(model, b)[0]
+    step = train_step(loss_of, opt, device)
     with our_kernels(name), graphed_training(model, name.endswith("_cudagraph"), device=device, name=name) as graphs:
         res = timed_steps(step, packed[:n_batches], device, args.steps, max_warmup=args.max_warmup)
         res["cuda_graphs"] = graphs

@@ -78,6 +78,19 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
 PAYBACK_STEPS = 400
 
 
+def run_eager(info: dict, setting: str, stage: str, why: str) -> None:
+    """`<stage>.<setting>` (compile, cuda_graphs) was asked for and is not used: the reason goes into the stage's
+    report (`<setting>_fallback`) and the log."""
+    info[f"{setting}_fallback"] = why
+    log.warning("%s.%s: running eager: %s", stage, setting, why)
+
+
+def failure(e: Exception, what: str) -> str:
+    """A compile's or a capture's error in one line (its message's first, at most 300 characters)."""
+    first_line = (str(e).splitlines() or [""])[0][:300]
+    return f"{what} failed: {type(e).__name__}: {first_line}"
+
+
 # The CPU attention leaves autocast for fp32 inside the graph (kernels.reference.attention_in_fp32), and AOT
 # autograd's cache refuses any graph holding autocast's enter/exit calls, so every run re-traced forward and backward
 # (~15 s of the tiny SFT's ~19 s warm compile on two cores, bench/RESULTS.md "AOT autograd's cache"). The two calls
@@ -142,8 +155,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
     why = unavailable(device, dist, model) if enabled else None
     if not enabled or why:
         if why:
-            log.warning("%s.compile: running eager: %s", name, why)
-            info["compile_fallback"] = why
+            run_eager(info, "compile", name, why)
         yield info
         return
     eager = model.hidden_states                                     # the bound method
@@ -160,9 +172,7 @@ def compiled_training(model: torch.nn.Module, enabled: bool | str, *, device: to
             with inductor_config.patch(unsafe_marked_cacheable_functions=AUTOCAST_CACHEABLE):
                 out = compiled(*args, **kwargs)
         except Exception as e:      # a genuine error in the model raises again from the eager call below
-            first_line = (str(e).splitlines() or [""])[0][:300]
-            info["compile_fallback"] = f"compile failed: {type(e).__name__}: {first_line}"
-            log.warning("%s.compile: running eager: %s", name, info["compile_fallback"])
+            run_eager(info, "compile", name, failure(e, "compile"))
             return eager(*args, **kwargs)
         info.update(compile=True, compile_s=round(time.perf_counter() - t, 3))
         log.info("%s.compile: forward compiled in %.1f s (cache %s)", name, info["compile_s"], cache)

@@ -28,6 +28,8 @@ from typing import Iterator
 
 import torch
 
+from glm_lora.engine.compile import failure, run_eager, unavailable as compile_unavailable
+
 log = logging.getLogger("glm_lora.engine")
 
 
@@ -35,10 +37,9 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module, grad_accum: 
     """Why the blocks can't be graphed here, or None if they can."""
     if device.type != "cuda":
         return f"device {device.type} (CUDA graphs need a CUDA device)"
-    if dist is not None:
-        return "several processes (torchrun): DDP/FSDP2 act on the gradients as they are made"
-    if getattr(getattr(getattr(model, "config", None), "layout", None), "moe", False):
-        return "mixture-of-experts layers (each step's expert batches have new sizes)"
+    why = compile_unavailable(device, dist, model)       # torchrun, mixture of experts: what a compile can't take
+    if why:
+        return why
     if getattr(model, "gradient_checkpointing", False):
         return "activation_checkpointing (blocks recomputed in backward: not measured under capture)"
     if grad_accum > 1:
@@ -70,8 +71,7 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
     why = unavailable(device, dist, model, grad_accum) if enabled else None
     if not enabled or why:
         if why:
-            log.warning("%s.cuda_graphs: running eager: %s", name, why)
-            info["cuda_graphs_fallback"] = why
+            run_eager(info, "cuda_graphs", name, why)
         yield info
         return
     eager = model.hidden_states
@@ -90,9 +90,7 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
             try:
                 graph["fn"] = _capture(_Blocks(model, eager, given), args)
             except Exception as e:
-                first_line = (str(e).splitlines() or [""])[0][:300]
-                info["cuda_graphs_fallback"] = f"capture failed: {type(e).__name__}: {first_line}"
-                log.warning("%s.cuda_graphs: running eager: %s", name, info["cuda_graphs_fallback"])
+                run_eager(info, "cuda_graphs", name, failure(e, "capture"))
                 return eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
             graph["key"] = key
             info.update(cuda_graphs=True, cuda_graphs_capture_s=round(time.perf_counter() - t, 3))

@@ -18,6 +18,11 @@ from pathlib import Path
 HERE = Path(os.environ.get("SWEEP_INPUTS", "."))
 
 
+def graphs_report(metrics: dict) -> dict:
+    """A stage's `cuda_graphs` report (used, capture seconds, why not)."""
+    return {k: v for k, v in metrics.items() if k.startswith("cuda_graphs")}
+
+
 def run_job(job: dict, out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import logging, tempfile
@@ -63,7 +68,7 @@ def run_job(job: dict, out: Path) -> None:
     res = {"name": name, "job": job, "secs": round(time.time() - t), "em": e["exact_match"], "min": e["min_family"],
            "fam": e["per_family"], "fixed_right": e["fixed_right"], "fixed": e["fixed"],
            "val": m.get("val_losses"), "best_step": m.get("best_step"),
-           "graphs": {k: v for k, v in m.items() if k.startswith("cuda_graphs")}, "dpo": []}
+           "graphs": graphs_report(m), "dpo": []}
     (sdir / "manifest.json").write_text(json.dumps({"digest": name + "-sft", "metrics": {}}))
     for i, dsets in enumerate(job.get("dpo", [])):
         dcfg = load_config("tiny", {**ov, **{k: parse_value(v) for k, v in (a.split("=", 1) for a in dsets)}})
@@ -73,7 +78,7 @@ def run_job(job: dict, out: Path) -> None:
             de = dm["eval"]
             res["dpo"].append({"set": dsets, **{k: v for k, v in de.items() if k not in ("samples",)},
                                "val": dm.get("val_losses"), "best_step": dm.get("best_step"),
-                               "graphs": {k: v for k, v in dm.items() if k.startswith("cuda_graphs")}})
+                               "graphs": graphs_report(dm)})
         except Exception as ex:
             res["dpo"].append({"set": dsets, "error": repr(ex)})
     with open(out / "results.jsonl", "a") as f:

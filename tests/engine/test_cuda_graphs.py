@@ -43,3 +43,18 @@ def test_the_config_refuses_it_beside_a_compiled_step():
     with pytest.raises(ConfigError, match="sft: cuda_graphs: true with compile: True: choose one"):
         load_config("tiny", {"sft.cuda_graphs": True, "sft.compile": True})
     assert load_config("tiny", {"sft.cuda_graphs": True, "sft.compile": "auto"}).sft.cuda_graphs is True
+
+
+def test_a_capture_that_fails_leaves_the_stage_eager(monkeypatch, caplog):
+    """Where capturing raises (here: no CUDA to capture on), that call and the rest run eager, the reason reported."""
+    import glm_lora.engine.cuda_graphs as cg
+    monkeypatch.setattr(cg, "unavailable", lambda *a, **k: None)
+    m = model()
+    ids = torch.randint(0, 61, (2, 16))
+    expected = m.hidden_states(ids)
+    with graphed_training(m, True, device=CUDA, name="sft") as info:
+        first, second = m.hidden_states(ids), m.hidden_states(ids)
+    assert info["cuda_graphs"] is False and info["cuda_graphs_fallback"].startswith("capture failed: "), info
+    assert "sft.cuda_graphs: running eager: capture failed" in caplog.text
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, expected)

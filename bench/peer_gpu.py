@@ -17,7 +17,8 @@ bf16 autocast, fused AdamW):
                           graphs (the step's launches from the host: one per graph instead of one per kernel)
        ours_*_cudagraph   the same with the blocks' training forward and backward replayed as CUDA graphs, our
                           kernels as they are (`cuda_graphs: true`, engine/cuda_graphs.py); DPO: the policy's
-                          forward (the reference pass under no_grad runs eager), also ours_*_shared_cudagraph
+                          forward and backward, and the reference pass (no_grad) as a graph of its own; also
+                          ours_*_shared_cudagraph
        hf_liger_packed    anchor (a), bench/anchors.py: HF + PEFT + Liger (RoPE, RMSNorm, SwiGLU, fused
                           linear CE), the same packed rows padding-free (position_ids, flex_attention), fp32 base
        hf_liger_packed_bf16base  the same with the base loaded in bf16 (as `torch_dtype=torch.bfloat16` loads

@@ -8,15 +8,18 @@ GPU time, 43.8-44.1 ms on the same H100s (bench/RESULTS.md "CUDA graphs for a la
 
 How: `torch.cuda.make_graphed_callables` over `model.hidden_states` on the first training batch's shapes (a
 packed stage's rows are always batch_size x seq_len). Parameters stay where they are, so the optimizer's in-place
-updates are what the next replay reads; each call copies its batch into the graph's input buffers. The graphed
-path runs only for a training forward with gradients on and the same inputs (shapes, and which of position_ids /
-doc_ids / prefix_docs are given) as the captured one: validation, decoding, a reference forward under no_grad
-(DPO's adapter-off pass) and any other shape run eager. The document mask is built inside
-the graph from each batch's doc_ids (kernels.document_causal_mask keeps no cached mask while a stream captures).
+updates are what the next replay reads; each call copies its batch into the graph's input buffers. A second,
+forward-only graph (`torch.cuda.CUDAGraph`) takes the first no_grad forward in training mode: DPO's and GRPO's
+reference pass with the adapter off (another ~14 ms of launches in a 125M DPO step). Each graph replays only for
+the inputs it was captured with (shapes, which of position_ids / doc_ids / prefix_docs are given, which adapters
+are on); validation and decoding (eval mode, a KV cache) and any other shape run eager. The document mask is built
+inside the graph from each batch's doc_ids (kernels.document_causal_mask keeps no cached mask while a stream
+captures).
 
 Where it can't work it runs eager with a warning: not CUDA, several processes (DDP/FSDP2 hook the gradients),
 a mixture-of-experts model (expert batches change size every step), activation checkpointing, gradient
-accumulation, or a capture that fails (the stage then goes on eager). Exclusive with
+accumulation, or a capture that fails (the stage then goes on eager; a reference graph that fails to capture leaves
+only the reference pass eager). Exclusive with
 `compile: true` (torch.compile's own CUDA graphs are `reduce-overhead`; checked by the config).
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Iterator
 import torch
 
 from glm_lora.engine.compile import failure, run_eager, unavailable as compile_unavailable
+from glm_lora.model.lora import lora_modules
 
 log = logging.getLogger("glm_lora.engine")
 
@@ -66,7 +70,8 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
                      grad_accum: int = 1, name: str = "train") -> Iterator[dict]:
     """Inside the block, `model.hidden_states` replays CUDA graphs for training forwards (see the module doc).
     Yields a dict the stage reports: cuda_graphs (bool: used), cuda_graphs_capture_s, cuda_graphs_fallback (why
-    eager, if asked for and not used)."""
+    eager, if asked for and not used); where a reference pass ran: cuda_graphs_reference, its capture_s, or its
+    fallback."""
     info: dict = {"cuda_graphs": False}
     why = unavailable(device, dist, model, grad_accum) if enabled else None
     if not enabled or why:
@@ -75,28 +80,42 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
         yield info
         return
     eager = model.hidden_states
-    graph: dict = {}                # "fn": the graphed callable, "key": the inputs (names, shapes) it was captured for
+    adapters = list(lora_modules(model).values())
+    graphs: dict = {}       # "train" / "reference": (key, fn), the inputs a graph was captured for and its replay
 
     def hidden_states(input_ids, position_ids=None, doc_ids=None, cache=None, prefix_docs=None):
         optional = {"position_ids": position_ids, "doc_ids": doc_ids, "prefix_docs": prefix_docs}
         given = tuple(k for k, v in optional.items() if v is not None)
         args = (input_ids, *(optional[k] for k in given))
-        plain = not model.training or not torch.is_grad_enabled() or cache is not None or "cuda_graphs_fallback" in info
-        key = None if plain else (given, tuple(a.shape for a in args))
-        if plain or graph.get("key", key) != key:
+        kind = None
+        if model.training and cache is None and "cuda_graphs_fallback" not in info:
+            kind = "train" if torch.is_grad_enabled() else "reference"
+            if kind == "reference" and "cuda_graphs_reference_fallback" in info:
+                kind = None
+        key = kind and (given, tuple(a.shape for a in args), tuple(m.enabled for m in adapters))
+        if kind is None or graphs.get(kind, (key,))[0] != key:
             return eager(input_ids, position_ids, doc_ids, cache=cache, prefix_docs=prefix_docs)
-        if "fn" not in graph:
+        if kind not in graphs:
             t = time.perf_counter()
             try:
-                graph["fn"] = _capture(_Blocks(model, eager, given), args)
+                blocks = _Blocks(model, eager, given)
+                graphs[kind] = key, (_capture(blocks, args) if kind == "train" else _capture_forward(blocks, args))
             except Exception as e:
-                run_eager(info, "cuda_graphs", name, failure(e, "capture"))
+                if kind == "train":
+                    run_eager(info, "cuda_graphs", name, failure(e, "capture"))
+                else:
+                    info["cuda_graphs_reference_fallback"] = failure(e, "reference capture")
+                    log.warning("%s.cuda_graphs: the reference forward runs eager: %s", name,
+                                info["cuda_graphs_reference_fallback"])
                 return eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
-            graph["key"] = key
-            info.update(cuda_graphs=True, cuda_graphs_capture_s=round(time.perf_counter() - t, 3))
-            log.info("%s.cuda_graphs: blocks captured in %.1f s for rows %s", name, info["cuda_graphs_capture_s"],
-                     tuple(input_ids.shape))
-        return graph["fn"](*args)
+            seconds = round(time.perf_counter() - t, 3)
+            if kind == "train":
+                info.update(cuda_graphs=True, cuda_graphs_capture_s=seconds)
+            else:
+                info.update(cuda_graphs_reference=True, cuda_graphs_reference_capture_s=seconds)
+            log.info("%s.cuda_graphs: %s blocks captured in %.1f s for rows %s", name,
+                     "training" if kind == "train" else "no_grad reference", seconds, tuple(input_ids.shape))
+        return graphs[kind][1](*args)
 
     model.hidden_states = hidden_states             # an instance attribute shadows the method
     try:
@@ -107,9 +126,37 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
 
 def _capture(blocks: _Blocks, args: tuple):
     """Warm up and capture on copies of the first batch (make_graphed_callables runs three warm-up passes: Triton
-    autotuning happens there, outside the capture). Autocast's cast cache must be off while capturing: a cached
-    cast made outside the graph would be baked into it."""
+    autotuning happens there, outside the capture)."""
     sample = tuple(t.clone() for t in args)
-    amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False):
+    with _uncached_autocast():
         return torch.cuda.make_graphed_callables(blocks, sample, allow_unused_input=True)
+
+
+def _capture_forward(blocks: _Blocks, args: tuple):
+    """A no_grad forward: three warm-up passes on a side stream (as make_graphed_callables does), then one capture
+    on static copies of the inputs. Each call copies its inputs in, replays, and returns a copy of the output (the
+    graph writes every replay into the same buffer). Its memory pool is its own: the training graph's saved
+    activations stay live across this replay (policy forward, reference forward, then the policy's backward)."""
+    static = tuple(t.clone() for t in args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with _uncached_autocast(), torch.cuda.stream(side):
+        for _ in range(3):
+            blocks(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with _uncached_autocast(), torch.cuda.graph(graph):
+        out = blocks(*static)
+
+    def replay(*inputs):
+        for buf, x in zip(static, inputs):
+            buf.copy_(x)
+        graph.replay()
+        return out.clone()
+    return replay
+
+
+def _uncached_autocast():
+    """The caller's autocast with its cast cache off: a cast cached outside a capture would be baked into it."""
+    amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False)

@@ -34,8 +34,23 @@ ap.add_argument("--bf16-weights", action="store_true",
 ap.add_argument("--compile-blocks", action="store_true", help="torch.compile each decoder block on its own "
                 "(nn.Module.compile; torchtitan's granularity) instead of model.hidden_states as one graph")
 ap.add_argument("--mode", help="torch.compile's mode for --compile / --compile-blocks (e.g. max-autotune-no-cudagraphs)")
+ap.add_argument("--rope-heads-last", action="store_true", help="the reference RoPE (what a compiled graph fuses) "
+                "computed on (B, T, H, D), q/k's memory order, and handed back as (B, H, T, D) views")
 ap.add_argument("--top", type=int, default=25, help="kernels listed")
 args = ap.parse_args()
+if args.rope_heads_last:
+    from glm_lora.kernels import reference
+    def heads_last(q, k, cos, sin, interleaved=False):
+        c, s = cos[:, :, None].to(q.dtype), sin[:, :, None].to(q.dtype)                  # (B, T, 1, R)
+        rotate, R = reference._rotate_pairs if interleaved else reference._rotate_half, c.shape[-1]
+
+        def rope(x):
+            x = x.transpose(1, 2)
+            y = x * c + rotate(x) * s if R == x.shape[-1] else \
+                torch.cat((x[..., :R] * c + rotate(x[..., :R]) * s, x[..., R:]), dim=-1)
+            return y.transpose(1, 2)
+        return rope(q), rope(k)
+    reference.apply_rope = heads_last
 dev = torch.device("cuda")
 cfg = decoder_config(args.size, 32000, 2048)
 model = our_model(cfg, dev)

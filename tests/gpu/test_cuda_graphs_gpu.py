@@ -1,8 +1,9 @@
 """GPU only: `<stage>.cuda_graphs` (engine.cuda_graphs.graphed_training, as engine/fit.py runs it). The blocks
 replayed as CUDA graphs train what the eager blocks train on packed rows whose documents differ from batch to
 batch (the document mask is rebuilt inside the graph from each batch's doc_ids, not baked in from the capture), the
-adapter's gradients come out of the backward graph, and forwards outside training (no_grad with the adapter off:
-DPO's reference pass) run eager."""
+adapter's gradients come out of the backward graph, the reference pass (no_grad, the adapter off: DPO's) replays
+its own forward graph between the policy's forward and backward, and other forwards (the adapter on under no_grad,
+eval mode) run eager."""
 import pytest
 import torch
 
@@ -43,22 +44,27 @@ def _model() -> Decoder:
 
 
 def _train(enabled: bool, batches: list[dict], amp: torch.dtype | None, attention: str = "sdpa"):
+    """DPO's order each step: the policy's forward, the reference forward (no_grad, adapter off), the backward."""
     model = _model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
+    losses, references = [], []
     with kernels.using("auto", attention), graphed_training(model, enabled, device=CUDA) as info:
         for b in batches:
             with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
                 loss, _ = causal_lm_loss(model, b)
+                with torch.no_grad(), lora_disabled(model):
+                    references.append(model.hidden_states(b["input_ids"], b.get("position_ids"), b.get("doc_ids")))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        with torch.no_grad(), lora_disabled(model):      # DPO's reference pass: eager, the adapter off
-            b = batches[0]
-            reference = model.hidden_states(b["input_ids"], b.get("position_ids"), b.get("doc_ids"))
+        b = batches[0]
+        with torch.no_grad():                           # the adapter on under no_grad: not the captured reference
+            others = [model.hidden_states(b["input_ids"], b.get("position_ids"), b.get("doc_ids"))]
+            model.eval()
+            others.append(model.hidden_states(b["input_ids"], b.get("position_ids"), b.get("doc_ids")))
     adapter = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    return losses, adapter, reference, info
+    return losses, adapter, torch.stack(references), torch.stack(others), info
 
 
 @pytest.mark.parametrize("amp,tol,attention,packed", [(None, 1e-3, "sdpa", True), (torch.bfloat16, 2e-2, "sdpa", True),
@@ -69,14 +75,16 @@ def test_graphed_blocks_train_what_eager_blocks_train(amp, tol, attention, packe
     batches = _batches(6) * 2
     if not packed:
         batches = [{"input_ids": b["input_ids"], "labels": b["labels"], "packed": False} for b in batches]
-    eager, w_eager, ref_eager, info_e = _train(False, batches, amp, attention)
-    graphed, w_graphed, ref_graphed, info_g = _train(True, batches, amp, attention)
+    eager, w_eager, ref_eager, other_eager, info_e = _train(False, batches, amp, attention)
+    graphed, w_graphed, ref_graphed, other_graphed, info_g = _train(True, batches, amp, attention)
     assert info_e == {"cuda_graphs": False}
-    assert info_g["cuda_graphs"] is True and "cuda_graphs_fallback" not in info_g, info_g
+    assert info_g["cuda_graphs"] is True and info_g["cuda_graphs_reference"] is True, info_g
+    assert not any(k.endswith("fallback") for k in info_g), info_g
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=tol, atol=tol)
     for k in w_eager:
         torch.testing.assert_close(w_graphed[k], w_eager[k], rtol=tol, atol=tol, msg=k)
-    torch.testing.assert_close(ref_graphed, ref_eager, rtol=tol, atol=tol)
+    torch.testing.assert_close(ref_graphed, ref_eager, rtol=tol, atol=tol)       # every step's reference pass
+    torch.testing.assert_close(other_graphed, other_eager, rtol=tol, atol=tol)
     assert graphed[-1] < graphed[0] - 0.5          # it learned (6 batches seen twice)
 
 

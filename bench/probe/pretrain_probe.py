@@ -36,8 +36,23 @@ ap.add_argument("--compile-blocks", action="store_true", help="torch.compile eac
 ap.add_argument("--mode", help="torch.compile's mode for --compile / --compile-blocks (e.g. max-autotune-no-cudagraphs)")
 ap.add_argument("--rope-heads-last", action="store_true", help="the reference RoPE (what a compiled graph fuses) "
                 "computed on (B, T, H, D), q/k's memory order, and handed back as (B, H, T, D) views")
+ap.add_argument("--rope-halves", action="store_true", help="the reference RoPE written on the two halves of each head "
+                "(x1·c − x2·s, x2·c + x1·s, stacked) instead of cat((−x2, x1)): no masked selects for inductor")
 ap.add_argument("--top", type=int, default=25, help="kernels listed")
 args = ap.parse_args()
+if args.rope_halves:
+    from glm_lora.kernels import reference
+
+    def halves(q, k, cos, sin, interleaved=False):
+        assert not interleaved and cos.shape[-1] == q.shape[-1]
+        h = q.shape[-1] // 2
+        c, s = cos[:, None, :, :h].to(q.dtype), sin[:, None, :, :h].to(q.dtype)       # the table is [f, f]
+
+        def rope(x):
+            x1, x2 = x.unflatten(-1, (2, h)).unbind(-2)
+            return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-2).flatten(-2)
+        return rope(q), rope(k)
+    reference.apply_rope = halves
 if args.rope_heads_last:
     from glm_lora.kernels import reference
     def heads_last(q, k, cos, sin, interleaved=False):

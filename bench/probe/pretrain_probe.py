@@ -55,6 +55,7 @@ if args.rope_halves:
     reference.apply_rope = halves
 if args.rope_heads_last:
     from glm_lora.kernels import reference
+
     def heads_last(q, k, cos, sin, interleaved=False):
         c, s = cos[:, :, None].to(q.dtype), sin[:, :, None].to(q.dtype)                  # (B, T, 1, R)
         rotate, R = reference._rotate_pairs if interleaved else reference._rotate_half, c.shape[-1]

@@ -18,9 +18,8 @@ captures).
 
 Where it can't work it runs eager with a warning: not CUDA, several processes (DDP/FSDP2 hook the gradients),
 a mixture-of-experts model (expert batches change size every step), activation checkpointing, gradient
-accumulation, or a capture that fails (the stage then goes on eager; a reference graph that fails to capture leaves
-only the reference pass eager). Exclusive with
-`compile: true` (torch.compile's own CUDA graphs are `reduce-overhead`; checked by the config).
+accumulation; and a graph whose capture fails leaves its own pass eager (the training forward or the reference).
+Exclusive with `compile: true` (torch.compile's own CUDA graphs are `reduce-overhead`; checked by the config).
 """
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
                      grad_accum: int = 1, name: str = "train") -> Iterator[dict]:
     """Inside the block, `model.hidden_states` replays CUDA graphs for training forwards (see the module doc).
     Yields a dict the stage reports: cuda_graphs (bool: used), cuda_graphs_capture_s, cuda_graphs_fallback (why
-    eager, if asked for and not used); where a reference pass ran: cuda_graphs_reference, its capture_s, or its
-    fallback."""
+    eager, if asked for and not used); where a reference pass ran, the same as cuda_graphs_reference*."""
     info: dict = {"cuda_graphs": False}
     why = unavailable(device, dist, model, grad_accum) if enabled else None
     if not enabled or why:
@@ -81,40 +79,30 @@ def graphed_training(model: torch.nn.Module, enabled: bool, *, device: torch.dev
         return
     eager = model.hidden_states
     adapters = list(lora_modules(model).values())
-    graphs: dict = {}       # "train" / "reference": (key, fn), the inputs a graph was captured for and its replay
+    graphs: dict = {}       # kind -> (key, replay): the inputs its graph was captured for, and the replay
 
     def hidden_states(input_ids, position_ids=None, doc_ids=None, cache=None, prefix_docs=None):
+        if not model.training or cache is not None:
+            return eager(input_ids, position_ids, doc_ids, cache=cache, prefix_docs=prefix_docs)
+        kind = "train" if torch.is_grad_enabled() else "reference"
+        setting = REPORTED_AS[kind]
         optional = {"position_ids": position_ids, "doc_ids": doc_ids, "prefix_docs": prefix_docs}
         given = tuple(k for k, v in optional.items() if v is not None)
         args = (input_ids, *(optional[k] for k in given))
-        kind = None
-        if model.training and cache is None and "cuda_graphs_fallback" not in info:
-            kind = "train" if torch.is_grad_enabled() else "reference"
-            if kind == "reference" and "cuda_graphs_reference_fallback" in info:
-                kind = None
-        key = kind and (given, tuple(a.shape for a in args), tuple(m.enabled for m in adapters))
-        if kind is None or graphs.get(kind, (key,))[0] != key:
-            return eager(input_ids, position_ids, doc_ids, cache=cache, prefix_docs=prefix_docs)
-        if kind not in graphs:
+        key = (given, tuple(a.shape for a in args), tuple(m.enabled for m in adapters))
+        captured = graphs.get(kind)
+        if f"{setting}_fallback" in info or (captured and captured[0] != key):
+            return eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
+        if captured is None:
             t = time.perf_counter()
             try:
-                blocks = _Blocks(model, eager, given)
-                graphs[kind] = key, (_capture(blocks, args) if kind == "train" else _capture_forward(blocks, args))
+                graphs[kind] = key, CAPTURE[kind](_Blocks(model, eager, given), args)
             except Exception as e:
-                if kind == "train":
-                    run_eager(info, "cuda_graphs", name, failure(e, "capture"))
-                else:
-                    info["cuda_graphs_reference_fallback"] = failure(e, "reference capture")
-                    log.warning("%s.cuda_graphs: the reference forward runs eager: %s", name,
-                                info["cuda_graphs_reference_fallback"])
+                run_eager(info, setting, name, failure(e, "capture"))
                 return eager(input_ids, position_ids, doc_ids, prefix_docs=prefix_docs)
-            seconds = round(time.perf_counter() - t, 3)
-            if kind == "train":
-                info.update(cuda_graphs=True, cuda_graphs_capture_s=seconds)
-            else:
-                info.update(cuda_graphs_reference=True, cuda_graphs_reference_capture_s=seconds)
-            log.info("%s.cuda_graphs: %s blocks captured in %.1f s for rows %s", name,
-                     "training" if kind == "train" else "no_grad reference", seconds, tuple(input_ids.shape))
+            info.update({setting: True, f"{setting}_capture_s": round(time.perf_counter() - t, 3)})
+            log.info("%s.%s: blocks captured in %.1f s for rows %s", name, setting, info[f"{setting}_capture_s"],
+                     tuple(input_ids.shape))
         return graphs[kind][1](*args)
 
     model.hidden_states = hidden_states             # an instance attribute shadows the method
@@ -154,6 +142,12 @@ def _capture_forward(blocks: _Blocks, args: tuple):
         graph.replay()
         return out.clone()
     return replay
+
+
+# A training forward (gradients on) replays forward and backward; a no_grad one in training mode (the reference
+# pass) a forward graph of its own. Each reports as its own setting: used, capture seconds, or why it runs eager.
+CAPTURE = {"train": _capture, "reference": _capture_forward}
+REPORTED_AS = {"train": "cuda_graphs", "reference": "cuda_graphs_reference"}
 
 
 def _uncached_autocast():

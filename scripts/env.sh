@@ -7,10 +7,6 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 export PREFECT_LOGGING_EXTRA_LOGGERS=glm_lora
 export PREFECT_WORKER_QUERY_SECONDS=2
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# `python -m ...` run here must not put the repository root on sys.path: its folders (kernels, data, model, ...) would
-# shadow other distributions' top-level packages (transformers and bitsandbytes import one named `kernels`); ours are
-# imported as glm_lora.<folder> from the installed package. (Benchmarks: `PYTHONSAFEPATH= python -m bench.<name>`.)
-export PYTHONSAFEPATH=1
 # The virtualenvs are installed without byte-compiling (scripts/setup.sh): each module is compiled at its first import
 # and its .pyc kept, so with PYTHONDONTWRITEBYTECODE set every process would compile torch, transformers, vLLM, ... again.
 unset PYTHONDONTWRITEBYTECODE

@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from glm_lora.flows.local_server import local_prefect_server  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"

@@ -1,7 +1,7 @@
 """The installed package behaves like the libraries users know: its import names shadow nothing (ours are
-glm_lora.<folder>), and `pip install .` into a fresh virtualenv gives a `glm-lora` command that runs the DAG from
+glm_lora.<folder>, from src/), and `pip install .` into a fresh virtualenv gives a `glm-lora` command that runs the DAG from
 an unrelated directory (configs, bundled data and runs_dir resolved without the repository as working directory).
-Every check runs in a subprocess whose working directory is outside the checkout."""
+Every check runs in a subprocess."""
 from __future__ import annotations
 
 import os
@@ -20,25 +20,32 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
 
 
-def test_our_packages_shadow_no_other_distribution(tmp_path):
-    """transformers' hub-kernels integration and bitsandbytes look for a top-level `kernels` package (the hub's);
-    with glm-lora installed they must not find ours (before the glm_lora namespace they did, and bitsandbytes
-    printed "cannot import name 'get_kernel' from 'kernels'")."""
+@pytest.mark.parametrize("pythonpath", [None, "checkout"])
+def test_our_packages_shadow_no_other_distribution(pythonpath):
+    """Run from the repository root, as a user or a Prefect worker (which puts its working directory on PYTHONPATH)
+    would, with no special environment: transformers' hub-kernels integration and bitsandbytes look for a top-level
+    `kernels` package (the hub's) and must not find ours; ours are reachable only as glm_lora.<folder> (src/)."""
     code = ("import importlib.util, json, sys\n"
             "import transformers.integrations.hub_kernels, bitsandbytes\n"
             "import glm_lora.kernels, glm_lora.model, glm_lora.data\n"
             "names = ['kernels', 'data', 'model', 'configs', 'tasks', 'export', 'serve', 'engine', 'artifacts', 'flows']\n"
             "found = {n: getattr(importlib.util.find_spec(n), 'origin', None) for n in names}\n"
             "print(json.dumps({'found': found, 'ours': glm_lora.kernels.__file__}))\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_clean_env(),
-                       timeout=300)
+    env = _clean_env() | ({"PYTHONPATH": str(REPO)} if pythonpath else {})
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     import json
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["ours"].startswith(str(REPO))
+    assert out["ours"].startswith(str(REPO / "src" / "glm_lora"))
     shadowing = {n: o for n, o in out["found"].items() if o and str(REPO) in o}
     assert shadowing == {}, shadowing
     assert "cannot import name 'get_kernel'" not in p.stderr
+
+
+def test_the_cli_runs_from_the_repository_root():
+    p = subprocess.run([sys.executable, "-m", "glm_lora.flows.cli", "--help"], cwd=REPO, capture_output=True, text=True,
+                       env=_clean_env(), timeout=300)
+    assert p.returncode == 0 and "usage" in p.stdout.lower(), p.stderr[-3000:]
 
 
 @pytest.mark.slow

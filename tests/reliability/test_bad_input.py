@@ -121,15 +121,16 @@ def test_publish_refuses_to_replace_a_directory_that_is_not_ours(workdir):
 
 
 def test_run_dir_on_the_project_itself_leaves_the_project_alone(workdir):
-    """runs_dir/run_name = this repository: its own data/ package must not be swapped out."""
-    cfg = write_config(workdir, {"runs_dir": str(REPO.parent), "run_name": REPO.name})
-    before = snapshot(REPO / "data")
+    """runs_dir/run_name = this package's folder: its own data/ package must not be swapped out."""
+    pkg = REPO / "src" / "glm_lora"
+    cfg = write_config(workdir, {"runs_dir": str(pkg.parent), "run_name": pkg.name})
+    before = snapshot(pkg / "data")
     proc = run_cli("stage", "data", "--config", str(cfg), cwd=workdir)
     assert proc.returncode == USER_ERROR_EXIT
     assert "is not a glm-lora 'data' output" in error_line(proc)
-    assert changed(before, snapshot(REPO / "data")) == []
-    assert not list(REPO.glob(".data.*")), "a scratch dir was left in the repository"
-    (REPO / ".lock").unlink(missing_ok=True)
+    assert changed(before, snapshot(pkg / "data")) == []
+    assert not list(pkg.glob(".data.*")), "a scratch dir was left in the package"
+    (pkg / ".lock").unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- data files

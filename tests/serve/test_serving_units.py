@@ -354,14 +354,13 @@ def test_stop_stops_a_server_of_the_old_serve_stage(tmp_path):
 
 def test_no_flow_module_hides_a_package():
     """A Prefect worker puts the entrypoint's folder (flows/) on sys.path: flows/serve.py once hid serve/."""
-    clashes = [f.name for f in (REPO / "flows").glob("*.py") if (REPO / f.stem / "__init__.py").is_file()]
+    from glm_lora.artifacts import PACKAGE_ROOT
+    clashes = [f.name for f in (PACKAGE_ROOT / "flows").glob("*.py") if (PACKAGE_ROOT / f.stem / "__init__.py").is_file()]
     assert not clashes
 
 
-def test_the_vllm_process_never_gets_the_checkout_on_its_path(tmp_path):
-    """Under a Prefect worker the flow run's PYTHONPATH holds the repository root; passed on to vLLM, its `kernels`
-    folder shadowed the package transformers imports and vLLM died importing glm_lora (not installed there)."""
+def test_the_vllm_process_finds_our_plugins_first(tmp_path):
     from glm_lora.serve.vllm_server import _PLUGINS, vllm_pythonpath
     other = str(tmp_path)
-    assert vllm_pythonpath(os.pathsep.join([str(REPO), other, str(REPO) + "/"])) == os.pathsep.join([str(_PLUGINS), other])
+    assert vllm_pythonpath(os.pathsep.join([other, ""])) == os.pathsep.join([str(_PLUGINS), other])
     assert vllm_pythonpath(None) == str(_PLUGINS)

@@ -75,7 +75,7 @@ def fake_repo(tmp_path, monkeypatch):
     for pkg in {p for stage in STAGES.values() for p in stage.code}:
         (repo / pkg).mkdir(parents=True)
         (repo / pkg / "__init__.py").write_text(f"# {pkg}\n")
-    monkeypatch.setattr(artifacts, "REPO", repo)
+    monkeypatch.setattr(artifacts, "PACKAGE_ROOT", repo)
     artifacts.code_version.cache_clear()
     yield repo
     artifacts.code_version.cache_clear()
@@ -113,7 +113,7 @@ def test_code_version_ignores_non_python_and_other_folders(fake_repo):
 def test_stage_code_covers_the_real_packages():
     for stage in STAGES.values():
         for pkg in stage.code:
-            assert (artifacts.REPO / pkg / "__init__.py").is_file(), pkg
+            assert (artifacts.PACKAGE_ROOT / pkg / "__init__.py").is_file(), pkg
 
 
 def test_user_data_file_content_not_mtime_changes_the_key(tmp_path):
@@ -187,7 +187,7 @@ STAGE_ENTRY = {name: stage.run.__module__ for name, stage in STAGES.items() if s
 
 
 def _module_file(name: str) -> Path | None:
-    base = artifacts.REPO.joinpath(*name.split("."))
+    base = artifacts.PACKAGE_ROOT.joinpath(*name.split("."))
     for f in (base.with_suffix(".py"), base / "__init__.py"):
         if f.is_file():
             return f

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 from glm_lora.configs.errors import UserError
 
 MANIFEST = "manifest.json"
-REPO = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]    # src/glm_lora: code versions hash the sources below it
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -57,8 +57,8 @@ def source_hash(root: Path, packages: tuple[str, ...]) -> str:
 @functools.lru_cache(maxsize=None)
 def code_version(packages: tuple[str, ...]) -> str:
     """The code version of what `packages` make (a stage, a token store, a checkpoint): one hash of
-    their Python sources in this repository, computed once per process."""
-    return source_hash(REPO, packages)
+    their Python sources in this package, computed once per process."""
+    return source_hash(PACKAGE_ROOT, packages)
 
 
 def sha256_json(obj: Any) -> str:

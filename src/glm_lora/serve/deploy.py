@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from glm_lora.artifacts import MANIFEST, REPO, atomic_write_text, code_version, read_manifest, sha256_json, verify
+from glm_lora.artifacts import MANIFEST, PACKAGE_ROOT, atomic_write_text, code_version, read_manifest, sha256_json, verify
 from glm_lora.artifacts.lock import take_flock
 from glm_lora.configs.errors import UserError
 from glm_lora.engine.gate import GateResult, promotion_gate
@@ -343,7 +343,7 @@ def _watchdog(dep: Deployment, owner: dict) -> subprocess.Popen:
     with open(dep.logs / "watchdog.log", "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "glm_lora.serve.watchdog", str(dep.root), dep.host, str(dep.port),
                                  str(owner["pid"]), owner["start"]],
-                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=str(PACKAGE_ROOT.parent),
                                 start_new_session=True)
 
 

@@ -28,18 +28,14 @@ from pathlib import Path
 from glm_lora.artifacts.lock import pid_alive
 from glm_lora.configs.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKOUT = Path(__file__).resolve().parents[3]    # the repository root when run from a checkout (src/glm_lora/serve)
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route localhost via a proxy
 _PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"   # modules the vLLM process imports
-_CHECKOUT = Path(__file__).resolve().parents[1]               # the repository root (glm_lora's folders)
 
 
 def vllm_pythonpath(inherited: str | None) -> str:
-    """The vLLM process's PYTHONPATH: our plugins, then the inherited entries but the checkout. A Prefect worker's
-    flow run has the repository root on PYTHONPATH (its working directory); there its folders would shadow top-level
-    packages vLLM's transformers imports (`kernels`), and glm_lora itself is not installed in vLLM's virtualenv."""
-    keep = [p for p in (inherited or "").split(os.pathsep) if p and Path(p).resolve() != _CHECKOUT]
-    return os.pathsep.join([str(_PLUGINS), *keep])
+    """The vLLM process's PYTHONPATH: our plugins first (vLLM finds their entry points there), then what it inherited."""
+    return os.pathsep.join([str(_PLUGINS), *[p for p in (inherited or "").split(os.pathsep) if p]])
 
 
 @dataclass
@@ -56,8 +52,8 @@ class ServerHandle:
 
 
 def vllm_python() -> Path:
-    """The vLLM venv's interpreter: $GLM_LORA_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
-    path = Path(os.environ.get("GLM_LORA_VLLM_PYTHON") or REPO_ROOT / ".venv-vllm/bin/python")
+    """The vLLM venv's interpreter: $GLM_LORA_VLLM_PYTHON, else <checkout>/.venv-vllm/bin/python."""
+    path = Path(os.environ.get("GLM_LORA_VLLM_PYTHON") or CHECKOUT / ".venv-vllm/bin/python")
     if not path.exists():
         raise FileNotFoundError(
             f"vLLM python not found at {path}. Create it with `bash scripts/setup.sh` "

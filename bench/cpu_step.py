@@ -15,7 +15,7 @@ the engine runs it (LoRA r32 + embed/lm_head trained, 8 packed rows of 128 token
    threads, the first step's time (compile included) and the largest loss difference to eager-2-threads over
    the run (eager with 1 thread is the fp32-rounding yardstick: another summation order, nothing else).
 3. Greedy decoding of the sft_eval prompts: the KV-cached decoder vs the previous one (kept verbatim in
-   tests/engine/test_greedy_cache.py), interleaved, with a check that the token ids agree.
+   tests/evaluation/test_decode.py), interleaved, with a check that the token ids agree.
 
 Writes bench/results/cpu_step_<date>_<commit>.json.
 """
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from bench.common import BENCH, write_result
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.data.pipeline import StageData
 from glm_lora.data.prepare import split_path
-from glm_lora.engine import evaluate
+from glm_lora.evaluation import metrics as evaluate
 from glm_lora.engine.compile import compiled_training
 from glm_lora.engine.losses import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer, lr_at
@@ -138,7 +138,7 @@ def profile_phases(model, tc, batches, steps: int, ops: bool, threads: int = 2) 
 
 
 def decode_ab(model, data, max_rows: int, max_new_tokens: int, repeats: int) -> dict:
-    spec = importlib.util.spec_from_file_location("_greedy_ref", BENCH.parent / "tests/engine/test_greedy_cache.py")
+    spec = importlib.util.spec_from_file_location("_greedy_ref", BENCH.parent / "tests/evaluation/test_decode.py")
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
     rows = evaluate.read_task_rows(split_path(data.data_dir, "sft_eval"), limit=max_rows)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, TARGETS, RandomDPO, autocast, decoder_config, free, guarded, hf_peft,
                              our_model, parser, ratios, selected, setup, table, timed)

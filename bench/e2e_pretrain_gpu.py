@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, autocast, decoder_config, guarded, hf_model, our_model, parser,
                              norms_fused, ratios, selected, setup, siblings_stacked, table, timed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench.common import write_result
 from bench.workloads import (precision_note, result_name, train_step, SIZES, TARGETS, RandomSFT, autocast, decoder_config, guarded, hf_peft,
                              our_model, parser, ratios, scaled_lengths, selected, setup, table, timed)

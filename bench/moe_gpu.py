@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench.common import write_result
 from bench.workloads import (WARMUP_RULE, RandomSFT, free, guarded, parser, scaled_lengths, timed_steps, train_step)
 from glm_lora.configs.schema import LoRAConfig

@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench import anchors
 from bench.common import write_result
 from bench.e2e_dpo_gpu import BETA, naive_dpo_loss

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench import anchors
 from bench.common import write_result
 from bench.peer_gpu import packed_batches

@@ -17,7 +17,7 @@ back exactly these ids, checked). Reward: the share of even token ids in the ans
 function on both sides; random, so advantages are non-zero).
 
 Providers:
-  ours             engine/rollouts.py Rollouts.rollout (engine/evaluate.sample_decode, KV cache, the decode step
+  ours             engine/rollouts.py Rollouts.rollout (evaluation/decode.sample_decode, KV cache, the decode step
                    replayed from a CUDA graph: evaluate.decode_graph_pays) + GRPOLoss through engine/trainer.train_step
                    (the stage's step), kernels "triton", attention "flex" (padded rows: causal SDPA either way), the
                    frozen GEMM weights in bf16 as the stage holds them on CUDA (engine/adapter_stage.py; adapter,
@@ -120,9 +120,10 @@ def summarise(step_s: list[float], rollout_s: list[float], generate_s: list[floa
 # ------------------------------------------------------------------------------------------------ ours
 def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: bool = True, ckpt: bool = False,
          chunks: int = 1) -> dict:
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     from glm_lora.configs.schema import LoRAConfig, RLConfig
-    from glm_lora.engine import evaluate, rollouts as rollouts_mod
+    from glm_lora.engine import rollouts as rollouts_mod
+    from glm_lora.evaluation import decode, metrics as evaluate
     from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
     from glm_lora.engine.losses import GRPOLoss
     from glm_lora.engine.optim import build_optimizer

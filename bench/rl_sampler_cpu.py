@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.common import write_result
 from bench.quality.fresh import WEAK_FAMILIES
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.tasks.rl_sampler import rl_stage
 
 

@@ -37,11 +37,11 @@ def tiny_shaped_export(tmp: Path) -> Path:
     ranks and modules_to_save), through our own export: throughput does not depend on what was learnt."""
     import random
 
-    from glm_lora.artifacts import write_manifest
-    from glm_lora.configs import load_config
+    from glm_lora.artifacts.manifest import write_manifest
+    from glm_lora.configs.load import load_config
     from glm_lora.data.tokenizer import train_tokenizer, load_tokenizer
     from glm_lora.engine.fit import decoder_config
-    from glm_lora.export import export
+    from glm_lora.export.hf_peft import export
     from glm_lora.model import inject_lora
     from glm_lora.model.adapters import load_policy, save_adapter
     from glm_lora.model.hf import save_native

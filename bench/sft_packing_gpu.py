@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench.common import write_result
 from bench.packing_efficiency import skewed_lengths
 from bench.workloads import TARGETS, RandomSFT

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from glm_lora.artifacts import write_manifest
+from glm_lora.artifacts.manifest import write_manifest
 from bench.common import write_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def main() -> None:
     flags = [a for s in sets for a in ("--set", s)]
     for stage in ("data", "tokenizer"):
         sh([sys.executable, "-m", "glm_lora.flows.cli", "stage", stage, "--config", args.config, *flags], REPO)
-    from glm_lora.configs import load_config, parse_value
+    from glm_lora.configs.load import load_config, parse_value
     cfg = load_config(args.config, {k: parse_value(v) for k, _, v in (s.partition("=") for s in sets)})
     config_file = work / "config.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))

@@ -138,7 +138,7 @@ def hf_peft(cfg: DecoderConfig, device: torch.device, checkpointing: bool = Fals
 @contextlib.contextmanager
 def siblings_stacked(on: bool):
     """kernels' "auto" stacking of sibling projections (q/k/v, gate/up) on CUDA, on or off in the block."""
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     before = kernels.STACK_SIBLINGS["cuda"]
     kernels.STACK_SIBLINGS["cuda"] = on
     try:
@@ -152,7 +152,7 @@ def norms_fused(on: bool):
     """The residual adds fused into the RMSNorms that read them, and the norms before matrix products written in
     autocast's dtype (model.Block, kernels.add_rms_norm); off: each add its own op and the norms in fp32, cast by
     autocast at each product (before 2026-12-04, afternoon)."""
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     from glm_lora.model import model as m
     fused, dtype = kernels.add_rms_norm, m._matmul_input_dtype
     if not on:

@@ -125,7 +125,7 @@ def test_the_gguf_stage_writes_the_final_model_for_llama_cpp_and_ollama(dag):
 def test_the_harness_stage_scores_the_export_as_our_decoder_answers_and_the_gate_reads_it(dag):
     """lm_eval's `hf` model on export/merged answers each sample as our decoder does (greedy, chat template), the
     scores reach the manifest and the UI, and the serve stage's gate checked them (against export/base's)."""
-    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.evaluation.decode import greedy_answers
     from glm_lora.data.tokenizer import load_tokenizer
     from glm_lora.model.adapters import load_policy
     d = dag["run_dir"]
@@ -445,7 +445,7 @@ def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_lo
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff, base_used = proc.stdout.split("MAXDIFF")[1].split()
     assert float(diff) < 1e-4 and base_used == str((copy / "export" / "sft_merged").resolve())
-    from glm_lora.artifacts import verify
+    from glm_lora.artifacts.manifest import verify
     verify(copy / "export")                        # the copy's manifest records the relocated files
 
 
@@ -554,9 +554,9 @@ def test_orpo_raises_its_own_held_out_preference_measure_on_a_model_that_does_no
     ratio of chosen over rejected, rises (measured 0.24 → 0.31), and the likelihood ranking gets no clearly worse.
     (On the default's strong SFT model, ranking 0.99 already, ORPO's odds term is saturated and moves nothing: the
     other losses are checked there, tests/test_quality.py.)"""
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.engine import dpo
-    from glm_lora.engine.evaluate import preference_metrics
+    from glm_lora.evaluation.metrics import preference_metrics
     from glm_lora.data import formats
     from glm_lora.data.prepare import split_path
     from glm_lora.data.tokenizer import load_tokenizer

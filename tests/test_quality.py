@@ -5,7 +5,7 @@ machines passes while a regression in learning (data, tokenizer, model, losses, 
 """
 import pytest
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from bench.quality.fresh import WEAK_FAMILIES, fresh_eval
 from bench.quality.on_run import grpo_gain
 from glm_lora.flows.cli import run_one_stage
@@ -113,7 +113,7 @@ def test_each_preference_loss_raises_held_out_preference_accuracy(default_run, t
     identity), and the likelihood ranking gets no worse beyond noise. On the short CI DAG's weak SFT model (180 steps
     in all) this check was noise-bound (0.53–0.65 from machine to machine), so it runs here, on the model users get."""
     from glm_lora.engine import dpo
-    from glm_lora.engine.evaluate import preference_metrics
+    from glm_lora.evaluation.metrics import preference_metrics
     from glm_lora.data import formats
     from glm_lora.data.prepare import split_path
     from glm_lora.data.tokenizer import load_tokenizer
@@ -153,7 +153,7 @@ def test_gguf_files_answer_in_llama_cpp_as_our_decoder_does(default_run):
     from pathlib import Path
     from tests.llama_runtime import llama_cpp
     from glm_lora.data.tokenizer import load_tokenizer, prompt_ids
-    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.evaluation.decode import greedy_answers
     from glm_lora.model.adapters import load_policy
 
     base_cfg, _ = default_run

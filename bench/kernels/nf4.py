@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton.testing
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from bench.kernels.rms_norm import M, measure
 from glm_lora.kernels import reference as ref
 from glm_lora.model.quant import quantize_nf4

@@ -6,7 +6,7 @@ the same ops by input shape (which tensors are copied), then the step's top kern
 """
 import torch
 from torch.profiler import profile, ProfilerActivity
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model import inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights

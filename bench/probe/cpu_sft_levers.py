@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu_step import Variant, sft_setup
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 
 MODE = {"now": "now"}

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.serve import deploy
 from glm_lora.serve import vllm_server as vs
 from glm_lora.serve.stage import serve

@@ -22,7 +22,7 @@ from pathlib import Path
 def run_job(job: dict, out: Path) -> None:
     import torch
     torch.set_num_threads(1)
-    from glm_lora.configs import load_config, parse_value
+    from glm_lora.configs.load import load_config, parse_value
     from glm_lora.engine import dpo, sft
     from glm_lora.flows.cli import run_one_stage
     from bench.quality.fixed_prompts import with_fixed

@@ -1,7 +1,7 @@
 """A measurement hook for the quality sweeps: a stage's held-out metrics plus its model's greedy answers to the
 fixed prompts (`eval.compare_prompts`) and how many are right (against data.synthetic.solve)."""
 from glm_lora.data.synthetic import solve
-from glm_lora.engine import evaluate
+from glm_lora.evaluation import metrics as evaluate
 
 
 def with_fixed(metric_fn):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from glm_lora.data.prepare import split_path
 from glm_lora.data.synthetic import generate
-from glm_lora.engine.evaluate import read_task_rows
+from glm_lora.evaluation.metrics import read_task_rows
 
 WEAK_FAMILIES = ["add_en", "add_zh", "sub_en", "sub_zh"]     # the default's lowest families (README "Answer quality")
 ALL_FAMILIES = [f"{k}_{lang}" for k in ("add", "sub", "copy", "reverse", "units") for lang in ("en", "zh")]
@@ -36,7 +36,7 @@ def run_policy(run_dir: Path, *adapters) -> tuple:
 def fresh_eval(run_dir: Path, work_dir: Path | None = None) -> dict:
     """Greedy exact match, overall (the mean of the families) and per family, of the SFT and the DPO model in
     `run_dir` (whichever it holds) on fresh held-out prompts of every family: 8× the stages' own 200."""
-    from glm_lora.engine.evaluate import task_metrics
+    from glm_lora.evaluation.metrics import task_metrics
     run_dir = Path(run_dir)
     rows = fresh_rows(run_dir, ALL_FAMILIES, work_dir)
     out = {"rows": len(rows)}

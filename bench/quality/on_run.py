@@ -25,9 +25,9 @@ from bench.quality.fresh import WEAK_FAMILIES, fresh_eval, fresh_rows, run_polic
 def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict, dict]:
     """The RL stage (GRPO, exact-match reward) on the run's DPO model, `steps` steps on the four arithmetic families:
     their exact match on fresh held-out prompts per family, before and after."""
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.engine import rl
-    from glm_lora.engine.evaluate import task_metrics
+    from glm_lora.evaluation.metrics import task_metrics
 
     cfg = load_config("tiny", {"runs_dir": str(work / "runs"), "serve.enabled": False, "eval.enabled": False,
                                "rl.max_steps": steps, "rl.families": WEAK_FAMILIES, "rl.max_new_tokens": 8,
@@ -46,7 +46,7 @@ def grpo_gain(run_dir: Path, work: Path, *, steps: int, lr: float) -> tuple[dict
 def teen_sums_wrong(run_dir: Path, adapters: tuple[str, ...] = ("sft", "dpo")) -> list[str]:
     """The model's wrong greedy answers to "What is a + b?" for a in 10-29, b in 0-9 (200 prompts, the demo's
     "12 + 7" among them): where the default's DPO models slip (a tens digit off by one, "20" answered "10")."""
-    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.evaluation.decode import greedy_answers
     tok, model = run_policy(run_dir, *adapters)
     sums = [(a, b) for a in range(10, 30) for b in range(10)]
     answers = greedy_answers(model, tok, [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in sums])
@@ -57,9 +57,9 @@ def on_policy_rejected(run: Path) -> dict:
     """Rewrite the DPO training pairs of a run copy: where the SFT model's greedy answer to a pair's prompt is not the
     chosen answer, that answer (its own mistake) becomes the rejected one; sources.json and the manifest record it. An
     experiment on the generator's pairs (random near-misses the SFT model mostly rules out already), not a stage."""
-    from glm_lora.artifacts import MANIFEST, atomic_write_text, content_digest, file_entry, read_manifest
+    from glm_lora.artifacts.manifest import MANIFEST, atomic_write_text, content_digest, file_entry, read_manifest
     from glm_lora.data.prepare import SOURCES
-    from glm_lora.engine.evaluate import greedy_answers
+    from glm_lora.evaluation.decode import greedy_answers
     data = run / "data"
     sources = json.loads((data / SOURCES).read_text())
     path = data / sources["splits"]["dpo"]["path"]
@@ -85,7 +85,7 @@ def on_policy_rejected(run: Path) -> dict:
 def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict, on_policy: bool = False) -> dict:
     """The DPO stage with `overrides` on a copy of the run's inputs (out/tiny/), seeds as the run's; `on_policy`:
     on pairs rewritten by on_policy_rejected first."""
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.flows.cli import run_one_stage
 
     shutil.rmtree(out, ignore_errors=True)
@@ -104,7 +104,7 @@ def dpo_variant(run_dir: Path, seed: int, out: Path, overrides: dict, on_policy:
 
 def main(argv: list[str]) -> None:
     import torch
-    from glm_lora.configs import parse_value
+    from glm_lora.configs.load import parse_value
     torch.set_num_threads(1)
     what, run_dir = argv[0], Path(argv[1])
     if what in ("dpo", "dpo_on_policy"):

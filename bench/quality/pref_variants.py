@@ -1,9 +1,9 @@
 """One preference loss, 100 steps on a run's SFT model, then held-out implicit-reward accuracy and the log odds ratio
 on its 200 dpo_eval pairs: RUN=runs/tiny python -m bench.quality.pref_variants LOSS '{settings JSON}'"""
 import sys, json, tempfile, pathlib, time, torch
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.engine import dpo
-from glm_lora.engine.evaluate import preference_metrics
+from glm_lora.evaluation.metrics import preference_metrics
 from glm_lora.data import formats
 from glm_lora.data.prepare import split_path
 from glm_lora.data.tokenizer import load_tokenizer

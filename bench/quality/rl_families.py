@@ -3,7 +3,7 @@ the DPO model vs the DPO model + an RL adapter."""
 import sys, pathlib
 from bench.quality.fresh import WEAK_FAMILIES, fresh_rows
 from glm_lora.data.tokenizer import load_tokenizer
-from glm_lora.engine import evaluate
+from glm_lora.evaluation import metrics as evaluate
 from glm_lora.model.adapters import load_policy
 run_dir, rl_dir = pathlib.Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None
 rows = fresh_rows(run_dir, WEAK_FAMILIES)

@@ -1,7 +1,7 @@
 """Train the RL stage alone on a run's stages: python -m bench.quality.rl_run RUN_DIR STEPS '{overrides JSON}'
 (prints the stage metrics, the first sampled answers and the last logging windows; the adapter stays in a temp dir)."""
 import sys, json, tempfile, pathlib, time, torch
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.engine import rl
 run_dir = pathlib.Path(sys.argv[1])
 steps = int(sys.argv[2])

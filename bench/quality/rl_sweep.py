@@ -23,11 +23,11 @@ DEFAULTS = {"device": "cuda", "precision": "fp32", "kernels": "reference", "atte
 def run_job(run_dir: Path, out: Path, job: dict) -> None:
     import torch
     from bench.quality.fresh import ALL_FAMILIES, WEAK_FAMILIES, fresh_rows
-    from glm_lora import kernels
-    from glm_lora.configs import load_config
+    from glm_lora.kernels import ops as kernels
+    from glm_lora.configs.load import load_config
     from glm_lora.data.tokenizer import load_tokenizer
     from glm_lora.engine import rl
-    from glm_lora.engine.evaluate import task_metrics
+    from glm_lora.evaluation.metrics import task_metrics
     from glm_lora.model.adapters import load_policy
 
     tmp = Path(tempfile.mkdtemp())

@@ -26,8 +26,8 @@ def graphs_report(metrics: dict) -> dict:
 def run_job(job: dict, out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import logging, tempfile
-    from glm_lora import kernels
-    from glm_lora.configs import load_config, parse_value
+    from glm_lora.kernels import ops as kernels
+    from glm_lora.configs.load import load_config, parse_value
     from glm_lora.engine import adapter_stage, dpo, pretrain, sft
     name = job["name"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", filename=str(out / f"{name}.log"))

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora import artifacts
-from glm_lora.artifacts import ArtifactRef, build, is_complete, read_manifest, ref_for, sha256_file, stage_output, staging_dir, verify
+from glm_lora.artifacts import manifest as artifacts
+from glm_lora.artifacts.manifest import ArtifactRef, build, is_complete, read_manifest, ref_for, sha256_file, stage_output, staging_dir, verify
 
 
 def writer(files: dict[str, bytes], metrics=None):

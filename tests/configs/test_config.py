@@ -1,6 +1,6 @@
 import pytest
 
-from glm_lora.configs import ConfigError, apply_overrides, load_config, parse_value, preset_path
+from glm_lora.configs.load import ConfigError, apply_overrides, load_config, parse_value, preset_path
 from glm_lora.configs.schema import LORA_TARGETS, Config
 
 PRESETS = ["tiny", "small", "base"]

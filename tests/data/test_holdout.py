@@ -9,7 +9,7 @@ import pytest
 
 from glm_lora.configs.schema import Config, HoldoutConfig
 from glm_lora.data.formats import read_dpo, read_pretrain, read_sft
-from glm_lora.data.holdout import holdout_ids, without
+from glm_lora.data.heldout_split import holdout_ids, without
 from glm_lora.data.prepare import held_out_ids, prepare_data, split_provenance
 
 CHATS = [{"messages": [{"role": "user", "content": f"Say the word number {i}."},

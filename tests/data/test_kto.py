@@ -12,7 +12,7 @@ from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.formats import DataError, KTORow
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.synthetic import generate
-from glm_lora.data.tokenize import kto_examples, tokenized
+from glm_lora.data.encode import kto_examples, tokenized
 from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
 
 
@@ -105,7 +105,7 @@ def test_the_kto_loss_reads_the_batch_labels():
 
 
 def test_a_paired_loss_on_a_kto_file_stops_before_any_training(tmp_path):
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.engine.preflight import preflight
     path = write(tmp_path, [{"prompt": "Say hi.", "chosen": "hi", "rejected": "no"},
                             {"prompt": "Say yo.", "completion": "yo", "label": True}])

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from glm_lora.configs.schema import DataConfig
-from glm_lora.data import formats, tokenize
+from glm_lora.data import encode, formats
 from glm_lora.data.cleaning import EXAMPLE_CHARS, MAX_EXAMPLES, CleanReport, clean_conversations, clean_pairs, clean_texts
 from glm_lora.data.formats import MAX_LINE_BYTES, DataError, iter_rows, read_dpo, read_pretrain, read_sft
 from glm_lora.data.synthetic import generate
-from glm_lora.data.tokenize import IGNORE, cut_messages, dpo_examples, lm_examples, sft_examples, usable_chars
+from glm_lora.data.encode import IGNORE, cut_messages, dpo_examples, lm_examples, sft_examples, usable_chars
 from glm_lora.data.tokenizer import load_tokenizer, tokenize_chat, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -239,8 +239,8 @@ LONG_DOCS = ["short one.", "The sky is blue.\nAmy has 3 red balls.\n天空是蓝
 def test_long_documents_are_tokenised_in_segments_with_the_same_chunks(tok, monkeypatch):
     want_report = CleanReport()
     want = list(lm_examples(LONG_DOCS, tok, seq_len=16, min_tokens=2, report=want_report))
-    monkeypatch.setattr(tokenize, "SEGMENT_CHARS", 100)
-    monkeypatch.setattr(tokenize, "BATCH_CHARS", 150)
+    monkeypatch.setattr(encode, "SEGMENT_CHARS", 100)
+    monkeypatch.setattr(encode, "BATCH_CHARS", 150)
     spy, report = Spy(tok), CleanReport()
     got = list(lm_examples(LONG_DOCS, spy, seq_len=16, min_tokens=2, report=report))
     assert got == want and report == want_report
@@ -248,9 +248,9 @@ def test_long_documents_are_tokenised_in_segments_with_the_same_chunks(tok, monk
     # min_tokens still judges the whole document
     for min_tokens in (10_000, 5):
         r, full = CleanReport(), CleanReport()
-        monkeypatch.setattr(tokenize, "SEGMENT_CHARS", 100)
+        monkeypatch.setattr(encode, "SEGMENT_CHARS", 100)
         got = list(lm_examples(LONG_DOCS[1:2], tok, seq_len=16, min_tokens=min_tokens, report=r))
-        monkeypatch.setattr(tokenize, "SEGMENT_CHARS", 1 << 20)
+        monkeypatch.setattr(encode, "SEGMENT_CHARS", 1 << 20)
         assert got == list(lm_examples(LONG_DOCS[1:2], tok, seq_len=16, min_tokens=min_tokens, report=full))
         assert r == full and (r.kept, r.dropped) == ((0, {"min_tokens": 1}) if min_tokens > 5 else (1, {}))
 
@@ -304,7 +304,7 @@ from glm_lora.data.cleaning import CleanReport, clean_conversations, clean_texts
 from glm_lora.data.formats import DataError, read_pretrain, read_sft
 kind, path, limit, tok_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 if tok_dir != "-":
-    from glm_lora.data.tokenize import lm_examples, sft_examples
+    from glm_lora.data.encode import lm_examples, sft_examples
     from glm_lora.data.tokenizer import load_tokenizer
     tok = load_tokenizer(tok_dir)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

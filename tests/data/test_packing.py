@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm_lora.data.packing import IGNORE, PackedBatches, padded_batches
-from glm_lora.engine.losses import causal_lm_loss, group_logprobs
+from glm_lora.model.heads import causal_lm_loss, group_logprobs
 from glm_lora.model import Decoder, DecoderConfig
 
 torch.set_num_threads(1)

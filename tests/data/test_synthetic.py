@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import COMPARE_PROMPTS
 

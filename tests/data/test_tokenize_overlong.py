@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from glm_lora.configs.schema import DataConfig
-from glm_lora.data import tokenize
+from glm_lora.data import encode
 from glm_lora.data.cleaning import CleanReport, check_drop_fraction
 from glm_lora.data.formats import DataError
 from glm_lora.data.synthetic import generate
-from glm_lora.data.tokenize import IGNORE, dpo_examples, left_cut_prompt, sft_examples, usable_chars
+from glm_lora.data.encode import IGNORE, dpo_examples, left_cut_prompt, sft_examples, usable_chars
 from glm_lora.data.tokenizer import chat_tokens, load_tokenizer, prompt_ids, tokenize_chat, train_tokenizer
 from test_tokenize_templates import CONV, build_tokenizer, spans
 
@@ -56,7 +56,7 @@ def answer_span(tok, ids, labels) -> str:
 def test_defaults():
     d = DataConfig()
     assert d.overlong == "truncate_prompt" and d.max_drop_fraction == 0.2
-    assert tokenize.OVERLONG == ("truncate_prompt", "truncate", "drop")
+    assert encode.OVERLONG == ("truncate_prompt", "truncate", "drop")
     with pytest.raises(ValueError):
         DataConfig(overlong="cut")
     with pytest.raises(ValueError):
@@ -145,7 +145,7 @@ def test_huge_messages_are_cut_before_tokenising_with_the_same_result(tiny_tok, 
         got = list(sft_examples([conv], tiny_tok, seq_len=seq_len, overlong="truncate_prompt", min_tokens=1,
                                 report=cut_report))
         with monkeypatch.context() as m:
-            m.setattr(tokenize, "usable_chars", lambda tok, tokens: 10**9)
+            m.setattr(encode, "usable_chars", lambda tok, tokens: 10**9)
             want = list(sft_examples([conv], tiny_tok, seq_len=seq_len, overlong="truncate_prompt", min_tokens=1,
                                      report=whole_report))
         assert got == want and cut_report == whole_report and len(got) == 1
@@ -254,7 +254,7 @@ def test_drop_fraction_on_a_cached_token_store(tiny_tok, tmp_path):
     for overlong, fails in (("truncate", True), ("truncate_prompt", False)):
         for attempt in ("build", "cache hit"):
             report = CleanReport(rows=len(pairs))
-            store = tokenize.tokenized("dpo", "0" * 64, tok_dir, dpo_examples(pairs, tiny_tok, seq_len=256,
+            store = encode.tokenized("dpo", "0" * 64, tok_dir, dpo_examples(pairs, tiny_tok, seq_len=256,
                                                                                overlong=overlong, report=report),
                                        cache_root=tmp_path, settings={"overlong": overlong}, report=report)
             if fails:

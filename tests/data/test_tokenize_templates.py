@@ -9,12 +9,12 @@ import torch
 
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.formats import DataError
-from glm_lora.data.tokenize import dpo_examples, sft_examples
+from glm_lora.data.encode import dpo_examples, sft_examples
 from glm_lora.data.tokenizer import (
     IGNORE_INDEX, ChatRowError, ChatTemplateError, end_of_turn_ids, load_tokenizer, prompt_ids, tokenize_chat,
     train_tokenizer,
 )
-from glm_lora.engine.evaluate import greedy_answers, greedy_decode
+from glm_lora.evaluation.decode import greedy_answers, greedy_decode
 from tests.oracle import Oracle
 from tests.chat_templates import CHATML, FAMILIES, build_tokenizer, corpus, labelled_spans as spans
 

@@ -431,7 +431,7 @@ def test_train_state_validated_counts_patience():
 def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
     """The directory hash is the one engine/stages.py computed before: checkpoints made by an earlier
     version are still found (and a changed max_steps/log_every still resumes)."""
-    from glm_lora import artifacts
+    from glm_lora.artifacts import manifest as artifacts
     inputs = []
     for name in ("tokenizer", "data"):
         (tmp_path / name).mkdir()

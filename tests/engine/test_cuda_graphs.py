@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.load import ConfigError, load_config
 from glm_lora.engine.cuda_graphs import graphed_training, unavailable
 from glm_lora.model import Decoder, DecoderConfig
 

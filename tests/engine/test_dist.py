@@ -34,7 +34,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.configs.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ RL = {"rl.enabled": True, "rl.max_steps": 2, "rl.batch_size": 2, "rl.group_size"
 def test_the_rl_stage_trains_on_two_ranks(prepared, sft_runs, strategy):
     """GRPO under torchrun: each rank samples answers to its own prompts with the weights being trained (under
     FSDP2 the ranks decode in lockstep: a sharded forward is a collective) and the adapter comes out whole."""
-    from glm_lora.artifacts import write_manifest
+    from glm_lora.artifacts.manifest import write_manifest
     from glm_lora.model.adapters import load_policy
     sft = prepared["root"] / f"rl-{strategy}-sft"          # a stage input: the SFT adapter with its manifest
     shutil.copytree(sft_runs[0].out, sft)
@@ -255,7 +255,7 @@ def test_the_rl_stage_trains_on_two_ranks(prepared, sft_runs, strategy):
 def test_sampling_in_lockstep_takes_every_step_and_changes_no_answer():
     """any_running says another rank is still decoding: this one keeps stepping (a forward per step, as the
     sharded model's collectives need) and its finished rows gain no token."""
-    from glm_lora.engine.evaluate import sample_decode
+    from glm_lora.evaluation.decode import sample_decode
     from glm_lora.model import Decoder, DecoderConfig
     torch.manual_seed(0)
     model = Decoder(DecoderConfig(vocab_size=30, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -342,9 +342,9 @@ def test_kill_minus_9_of_one_rank_then_restart_is_bit_identical(prepared):
 
 KERNEL_CHECK = r'''
 import copy, torch, torch.distributed as tdist
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.engine import dist
-from glm_lora.engine.losses import causal_lm_loss, group_logprobs
+from glm_lora.model.heads import causal_lm_loss, group_logprobs
 from glm_lora.engine.trainer import Runtime
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled

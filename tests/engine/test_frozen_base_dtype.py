@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.engine.adapter_stage import _frozen_gemm_weights_in_compute_dtype, frozen_weights_in_compute_dtype
 from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss

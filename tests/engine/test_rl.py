@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm_lora.artifacts import write_manifest
-from glm_lora.configs import load_config
+from glm_lora.artifacts.manifest import write_manifest
+from glm_lora.configs.load import load_config
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config, LoRAConfig
 from glm_lora.data.prepare import prepare_data
 from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer, train_tokenizer
 from glm_lora.engine import rewards
-from glm_lora.engine.evaluate import greedy_decode, sample_decode
+from glm_lora.evaluation.decode import greedy_decode, sample_decode
 from glm_lora.engine.losses import GRPOLoss, grpo_token_loss
 from glm_lora.engine.rollouts import Rollouts, group_advantages
 from glm_lora.engine.trainer import Runtime
@@ -239,8 +239,8 @@ def test_rollout_batches_label_the_answers_and_normalise_each_group(run_dir):
     assert batch["advantages"].view(3, 4).sum(1).abs().max() < 1e-4
     again = next(make({"cursor": 0}))                    # resumed at the same cursor: the same answers
     assert torch.equal(again["input_ids"], batch["input_ids"])
-    from glm_lora.engine.evaluate import _prompt_ids          # one apply_chat_template per prompt: the same ids
-    assert [r["ids"] for r in source.rows] == [_prompt_ids(tok, r["prompt"]) for r in source.rows]
+    from glm_lora.evaluation.decode import prompt_ids          # one apply_chat_template per prompt: the same ids
+    assert [r["ids"] for r in source.rows] == [prompt_ids(tok, r["prompt"]) for r in source.rows]
     with pytest.raises(UserError, match=r"rl.families \['nope'\] match no row of .*sft.jsonl"):
         Rollouts(_cfg(run_dir, **{"rl.families": ["nope"]}), tok, run_dir / "data", model,
                  Runtime(torch.device("cpu"), torch.float32))
@@ -382,7 +382,7 @@ def test_a_failing_reward_names_itself_and_the_prompt_and_keeps_the_last_checkpo
 RUN_STAGE = """
 import json, sys
 from pathlib import Path
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.engine import rl
 d, out, over = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.data.tokenizer import IM_END, load_tokenizer, prompt_ids, train_tokenizer
 from glm_lora.engine.preflight import preflight
 from glm_lora.export import gguf

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from glm_lora.configs.schema import LoRAConfig
-from glm_lora.export import write_peft_adapter
+from glm_lora.export.hf_peft import write_peft_adapter
 from glm_lora.model import inject_lora, merge_lora
 from glm_lora.model.adapters import PEFT_CONFIG, PEFT_WEIGHTS, save_adapter, served_form
 from glm_lora.model.hf import load_hf, save_hf, save_native, load_native

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_adapter, load_policy, save_adapter
-from glm_lora.export import VLLM_SPLIT_ARCHS, write_peft_adapter
+from glm_lora.export.hf_peft import VLLM_SPLIT_ARCHS, write_peft_adapter
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.hf import HF_ARCHITECTURES, load_native, save_hf, save_native
 from glm_lora.model.lora import lora_modules, saved_modules

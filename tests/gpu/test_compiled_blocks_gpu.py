@@ -4,7 +4,7 @@ give what the eager fused path gives."""
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.model import Decoder, DecoderConfig
 from tests.kernel_check import close
 

@@ -7,7 +7,7 @@ eval mode) run eager."""
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.engine.cuda_graphs import graphed_training
 from glm_lora.engine.losses import causal_lm_loss

@@ -1,13 +1,13 @@
-"""GPU only: the decode step replayed from a CUDA graph (engine/evaluate.GraphedDecodeStep) gives the token ids of
+"""GPU only: the decode step replayed from a CUDA graph (evaluation/decode.GraphedDecodeStep) gives the token ids of
 the eager step — sampled (the RL rollouts, same generator seed) and greedy, under bf16 autocast with an fp32 adapter
 over a bf16 frozen base (as a LoRA stage holds it on CUDA) and in fp32, over several batches and ragged prompts,
 with and without a stop token."""
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
-from glm_lora.engine import evaluate
+from glm_lora.evaluation import metrics as evaluate
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from tests.model.test_lora import randomise_b

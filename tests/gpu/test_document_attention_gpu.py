@@ -3,7 +3,7 @@ fwd + bwd (varlen: bf16; fp32 falls back to the dense mask, rows with shared pro
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference, varlen
 from tests.kernel_check import close, leaf
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.kernels.triton_nf4 import dequantize_nf4
 from glm_lora.model.quant import quantize_nf4

@@ -1,7 +1,7 @@
 """Attention "auto": the FlexAttention-vs-dense-mask rule (kernels.flex_pays) and how it is applied."""
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.model import DecoderConfig
 

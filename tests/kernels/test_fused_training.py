@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import TrainConfig
 from glm_lora.data.packing import place
 from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss

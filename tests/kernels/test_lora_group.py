@@ -3,7 +3,7 @@ alone): outputs, dx, every dA and dB; and the model using it for q/k/v and gate/
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.kernels.lora_group import lora_linear_group
 from glm_lora.model import inject_lora

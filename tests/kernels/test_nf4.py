@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.kernels.triton_nf4 import dequantize_nf4 as triton_dequantize_nf4
 from glm_lora.model.quant import NF4_VALUES, dynamic_map, quantize_nf4

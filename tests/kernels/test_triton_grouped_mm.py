@@ -5,7 +5,7 @@ all rows in one group; the weight-gradient kernel's row split; offsets validatio
 import pytest
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.kernels import triton_grouped_mm as tgm
 from tests.kernel_check import Tol, check

@@ -287,7 +287,7 @@ def test_fused_kernels_match_reference_on_biased_and_fused_layouts(arch):
     """kernels: triton (the Triton interpreter on CPU) vs reference on a layout with q/k/v bias, and for GLM-4
     a fused gate_up_proj (swiglu on its two halves), sandwich norms and GLM's RoPE (always the reference):
     the LoRA model's logits and every trainable gradient."""
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     results = {}
     for backend in ("reference", "triton"):
         with kernels.using(backend):

@@ -231,7 +231,7 @@ def test_glm_rope_matches_transformers(D, factor, impl, dtype):
 
 def test_rope_dispatch_sends_every_layout_to_the_triton_kernel(monkeypatch):
     """kernels: triton takes the kernel for GLM's interleaved and partial tables as for whole-head halves."""
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     calls = []
     monkeypatch.setattr(kernels, "_triton_op", lambda name: (calls.append(name), lambda *a: a[-1])[1])
     q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)

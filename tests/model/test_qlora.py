@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled, lora_state_dict, merge_lora
 from glm_lora.model.lora import LoRAConfigError, LoRALinear, lora_modules
@@ -225,7 +225,7 @@ SMALL = {"threads": 1, "serve.enabled": False, "eval.enabled": False, "tokenizer
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """data, tokenizer and a briefly pretrained base of the tiny preset (its model shape), built once."""
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.flows.cli import run_one_stage
     cfg = load_config("tiny", {**SMALL, "runs_dir": str(tmp_path_factory.mktemp("qlora"))})
     for stage in ("data", "tokenizer", "pretrain"):
@@ -234,7 +234,7 @@ def prepared(tmp_path_factory):
 
 
 def sft(prepared, quantization: str, **overrides):
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.engine import sft as sft_stage
     cfg = load_config("tiny", {**SMALL, "runs_dir": str(prepared.runs_dir), "sft.lora.quantization": quantization,
                                **overrides})
@@ -278,7 +278,7 @@ def test_a_qlora_run_exports_merged_models_and_serves_them_not_the_adapters(prep
     plan serves merged/ alone (an nf4 adapter on a full-precision base is not the model that was trained)."""
     from transformers import AutoModelForCausalLM
 
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.flows.cli import run_one_stage
     from glm_lora.model.adapters import BASE_QUANTIZATION, NF4_BNB_CONFIG, apply_adapter, load_native, vllm_unservable
     from glm_lora.serve.deploy import serving_plan

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.workloads import norms_fused
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from tests.kernels.test_lora_group import tiny_model
 
 

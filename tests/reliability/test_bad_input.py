@@ -94,7 +94,7 @@ def test_empty_user_file(workdir):
 def test_unreadable_user_file(workdir, monkeypatch):
     """In-process: CI runs as root, which reads any file, so unreadability is simulated at os.access."""
     import os
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.data.formats import DataError
     from glm_lora.engine.preflight import preflight
     path = jsonl(workdir / "chat.jsonl", [GOOD_SFT])
@@ -256,7 +256,7 @@ def test_a_user_error_in_the_flow_is_one_line_and_not_retried(workdir):
 def test_a_layer_nf4_cannot_hold_is_named_before_any_training(tmp_path):
     """lora.quantization nf4 scales whole 64-weight blocks: a 36 × 36 q_proj (1,296 weights) is refused by
     preflight, naming the key and the layer, before the data stage."""
-    from glm_lora.configs import load_config
+    from glm_lora.configs.load import load_config
     from glm_lora.engine.preflight import preflight
     from glm_lora.model.lora import LoRAConfigError
     shape = {"model.hidden_size": 36, "model.num_heads": 3, "model.num_kv_heads": 3, "serve.enabled": False,

@@ -56,7 +56,7 @@ def run(built, tmp_path) -> tuple[Path, Path]:
 
 
 def _refresh_manifest(stage_dir: Path) -> None:
-    from glm_lora import artifacts
+    from glm_lora.artifacts import manifest as artifacts
     m = artifacts.read_manifest(stage_dir)
     artifacts.write_manifest(stage_dir, m["stage"], config=m["config"], metrics=m["metrics"],
                              inputs=[artifacts.ArtifactRef.from_dict(r) for r in m["inputs"]])
@@ -94,7 +94,7 @@ def test_file_edited_while_it_is_being_tokenised(tmp_path):
     """The hash is checked before the first row and after the last: a mid-read edit is caught too."""
     from glm_lora.data.formats import DataError
     from glm_lora.data.prepare import unchanged_rows
-    from glm_lora.artifacts import sha256_file
+    from glm_lora.artifacts.manifest import sha256_file
     path = _jsonl(tmp_path / "chat.jsonl", CHAT)
     sha = sha256_file(path)
 
@@ -219,7 +219,7 @@ ENGINE_WITHOUT_PREFECT = """
 import runpy, sys
 sys.argv = ["engine", *sys.argv[1:]]
 try:
-    runpy.run_module("engine", run_name="__main__")
+    runpy.run_module("glm_lora.engine", run_name="__main__")
 except SystemExit:
     assert "prefect" not in sys.modules, "the stage imported Prefect"
     raise

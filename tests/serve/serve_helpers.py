@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm_lora.artifacts import MANIFEST, write_manifest
+from glm_lora.artifacts.manifest import MANIFEST, write_manifest
 from glm_lora.configs.schema import Config, LoRAConfig
 from glm_lora.data.tokenizer import IM_END, load_tokenizer, train_tokenizer
 
@@ -61,7 +61,7 @@ def build_export(tmp: Path, arch: str = "qwen3", *, seed: int = 0, eval_metrics:
     """A published-looking export directory (tmp/export) of a tiny random `arch` model; returns its path."""
     import transformers
 
-    from glm_lora.export import export
+    from glm_lora.export.hf_peft import export
     from glm_lora.model import inject_lora
     from glm_lora.model.adapters import load_policy, save_adapter
     from glm_lora.model.hf import HF_ARCHITECTURES, load_hf, save_native

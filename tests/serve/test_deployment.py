@@ -27,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm_lora.artifacts import read_manifest, write_manifest
-from glm_lora.configs import load_config
+from glm_lora.artifacts.manifest import read_manifest, write_manifest
+from glm_lora.configs.load import load_config
 from glm_lora.serve import deploy, proxy
 from glm_lora.serve import vllm_server as vs
 from glm_lora.serve.smoke import SmokeTestFailed
@@ -291,7 +291,7 @@ def test_lm_eval_harness_scores_a_shipped_task_through_the_endpoint(d, tmp_path,
     """`glm-lora harness --url`: lm_eval's chat-completions model asks the served `tiny` through nginx, with the key.
     The rows' references are set so that exactly 5 of 8 equal what the endpoint answers (3 after stripping spaces):
     the score must be 5/8, and every sample's response must be the endpoint's own answer."""
-    from glm_lora.engine import harness
+    from glm_lora.evaluation import harness
     from glm_lora.flows.cli import main
     rows = [json.loads(line) for line in (harness.TASKS_DIR / "glm_lora_heldout.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["task"].split("_")[0] in ("add", "sub")][:8]

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from glm_lora.artifacts import write_manifest
-from glm_lora.configs import load_config
+from glm_lora.artifacts.manifest import write_manifest
+from glm_lora.configs.load import load_config
 from glm_lora.serve.deploy import Deployment
 from glm_lora.serve.stage import GateFailed, serve
 
@@ -64,7 +64,7 @@ def test_an_export_that_does_not_verify_is_refused(tmp_path):
 
 def _harness_stage(tmp_path, export, score, base=None):
     """A published harness stage dir that scored `export` (its manifest names the export among its inputs)."""
-    from glm_lora.artifacts import ref_for
+    from glm_lora.artifacts.manifest import ref_for
     d = tmp_path / "harness"
     d.mkdir()
     scored = lambda s: {"glm_lora_arithmetic": {"metric": "exact_match", "exact_match": s, "score": s,   # noqa: E731

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.load import ConfigError, load_config
 from glm_lora.configs.errors import UserError
 from glm_lora.serve.stage import api_key, serve
 

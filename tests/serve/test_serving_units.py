@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.load import ConfigError, load_config
 from glm_lora.configs.errors import UserError
 from glm_lora.serve import deploy, proxy
 from glm_lora.serve import vllm_server as vs
@@ -136,7 +136,7 @@ def test_serving_plan(tmp_path):
 def test_serving_plan_reads_the_export_manifest(tmp_path):
     """What the server loads (the -vllm form where export wrote one) and at which rank is what export recorded
     in its manifest; the adapter files are read only for an export made before the record existed."""
-    from glm_lora.artifacts import build
+    from glm_lora.artifacts.manifest import build
     from glm_lora.serve.deploy import serving_plan
 
     def export(tmp):
@@ -354,7 +354,7 @@ def test_stop_stops_a_server_of_the_old_serve_stage(tmp_path):
 
 def test_no_flow_module_hides_a_package():
     """A Prefect worker puts the entrypoint's folder (flows/) on sys.path: flows/serve.py once hid serve/."""
-    from glm_lora.artifacts import PACKAGE_ROOT
+    from glm_lora.artifacts.manifest import PACKAGE_ROOT
     clashes = [f.name for f in (PACKAGE_ROOT / "flows").glob("*.py") if (PACKAGE_ROOT / f.stem / "__init__.py").is_file()]
     assert not clashes
 

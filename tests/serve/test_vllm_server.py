@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.data.tokenizer import load_tokenizer
 from glm_lora.serve import deploy
 from glm_lora.serve import vllm_server as vs

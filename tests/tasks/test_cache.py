@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora import artifacts
-from glm_lora.artifacts import build
-from glm_lora.configs import load_config
+from glm_lora.artifacts import manifest as artifacts
+from glm_lora.artifacts.manifest import build
+from glm_lora.configs.load import load_config
 from glm_lora.tasks.cache import reusable, stage_key
 from glm_lora.tasks.table import STAGES
 
@@ -104,7 +104,7 @@ def test_code_version_changes_the_key_of_stages_using_that_code(fake_repo):
 
 def test_code_version_ignores_non_python_and_other_folders(fake_repo):
     k0 = key("sft")
-    _edit(fake_repo, "engine/NOTES.md", "notes")
+    _edit(fake_repo, "engine/README.md", "notes")
     (fake_repo / "tests").mkdir()
     _edit(fake_repo, "tests/test_x.py", "y = 1\n")
     assert key("sft") == k0
@@ -182,7 +182,7 @@ def test_not_reusable_without_cache_key(tmp_path):
 
 # ---------------------------------------------------------------- code each stage runs
 
-OUR_PACKAGES = ("artifacts", "configs", "data", "engine", "export", "kernels", "model", "serve", "tasks")
+OUR_PACKAGES = ("artifacts", "configs", "data", "engine", "evaluation", "export", "kernels", "model", "serve", "tasks")
 STAGE_ENTRY = {name: stage.run.__module__ for name, stage in STAGES.items() if stage.cached}
 
 

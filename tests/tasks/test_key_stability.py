@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.tasks.cache import key_parts
 from glm_lora.tasks.table import STAGES
 

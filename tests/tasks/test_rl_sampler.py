@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm_lora.artifacts import write_manifest
-from glm_lora.configs import load_config
+from glm_lora.artifacts.manifest import write_manifest
+from glm_lora.configs.load import load_config
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config, LoRAConfig
 from glm_lora.data.prepare import prepare_data, split_path
 from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer, train_tokenizer
 from glm_lora.engine import rl
-from glm_lora.engine.evaluate import greedy_decode
+from glm_lora.evaluation.decode import greedy_decode
 from glm_lora.engine.rollouts import Rollouts
 from glm_lora.engine.trainer import Runtime
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
@@ -137,7 +137,7 @@ def test_stage_killed_mid_run_stops_its_server_and_resumes_with_vllm_rollouts(ru
     again, it removes the dead run's files, resumes, trains to the end and leaves no server or file behind."""
     over = _overrides(tmp_path, **{"rl.max_steps": 5, "checkpoint.save_optimizer_every": 2,
                                    "checkpoint.async_save": False, "threads": 1})
-    code = ("import json, logging, sys; from pathlib import Path; from glm_lora.configs import load_config; "
+    code = ("import json, logging, sys; from pathlib import Path; from glm_lora.configs.load import load_config; "
             "from glm_lora.tasks.rl_sampler import rl_stage; logging.basicConfig(level=logging.INFO); "
             "d, out = Path(sys.argv[1]), Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True); "
             "m = rl_stage(load_config('tiny', json.loads(sys.argv[3])), "

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora import artifacts
-from glm_lora.configs import load_config
+from glm_lora.artifacts import manifest as artifacts
+from glm_lora.configs.load import load_config
 from glm_lora.tasks import cache
 from glm_lora.tasks.cache import build_stage, status
 from glm_lora.tasks.table import chain, upstream
@@ -74,7 +74,7 @@ def test_a_code_change_names_the_packages(built, monkeypatch):
     real = artifacts.code_version
     monkeypatch.setattr(cache, "code_version", lambda pkgs: real(pkgs) + ("-edited" if "engine" in pkgs else ""))
     report = _status(path)
-    assert report["pretrain"] == ["code changed in configs, data, engine, kernels, model"]
+    assert report["pretrain"] == ["code changed in configs, data, engine, evaluation, kernels, model"]
     assert report["data"] == [] and report["tokenizer"] == []
 
 

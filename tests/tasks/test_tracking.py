@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from glm_lora import artifacts
-from glm_lora.configs import ConfigError, load_config
+from glm_lora.artifacts import manifest as artifacts
+from glm_lora.configs.load import ConfigError, load_config
 from glm_lora.tasks import tracking
 from glm_lora.tasks.cache import key_parts
 from glm_lora.tasks.table import STAGES

@@ -13,7 +13,7 @@ keeps a row (the tokeniser) counts it in `kept`; at the end rows == kept + sum(d
 Reasons: "bad_row" (a malformed row skipped by a reader, data.formats), "empty" (empty or
 whitespace-only text / assistant answer), "duplicate" (exact repeat of an earlier row, with
 dedup=True), "identical_pair" (DPO chosen == rejected); "min_tokens", "overlong", "no_target",
-"turn_boundary" and "template_error" come from the tokenisation step (data.tokenize). `truncated`
+"turn_boundary" and "template_error" come from the tokenisation step (data.encode). `truncated`
 counts rows whose end (an answer) was cut, `prompt_truncated` rows whose prompt alone was cut from
 the left (data.overlong: truncate_prompt).
 

@@ -207,3 +207,8 @@ def _group_labels(source: ExampleSource, groups: list[int]) -> dict[str, torch.T
     """{"group_labels": the placed groups' labels, in group_docs order} for a source with labels (KTO), else {}."""
     labels = source.group_labels() if hasattr(source, "group_labels") else None
     return {} if labels is None else {"group_labels": torch.from_numpy(labels[groups])}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch's tensors moved to `device` (host→device copies overlap with compute)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -13,18 +13,18 @@ from typing import Callable
 
 import torch
 
-from glm_lora.artifacts import sha256_json
+from glm_lora.artifacts.manifest import sha256_json
 from glm_lora.configs.schema import Config, TrainConfig
 from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport, check_drop_fraction, clean_conversations, clean_kto, clean_pairs, clean_texts
 from glm_lora.data.formats import DataError
-from glm_lora.data.holdout import without
+from glm_lora.data.heldout_split import without
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.prefetch import Prefetcher
 from glm_lora.data.prepare import held_out_ids, split_source, unchanged_rows
 from glm_lora.data.sampler import EpochSampler
 from glm_lora.data.token_store import TokenStore
-from glm_lora.data.tokenize import dpo_examples, kto_examples, lm_examples, sft_examples, tokenized
+from glm_lora.data.encode import dpo_examples, kto_examples, lm_examples, sft_examples, tokenized
 from glm_lora.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("glm_lora.data")

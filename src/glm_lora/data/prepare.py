@@ -7,12 +7,12 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from glm_lora.artifacts import sha256_path
+from glm_lora.artifacts.manifest import sha256_path
 from glm_lora.configs.schema import Config, DataConfig
 from glm_lora.data import formats, synthetic
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.formats import MAX_LINE_BYTES, DataError
-from glm_lora.data.holdout import holdout_ids, write_held_out
+from glm_lora.data.heldout_split import holdout_ids, write_held_out
 from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
 
 SPLITS = {"pretrain": formats.read_pretrain, "pretrain_eval": formats.read_pretrain,
@@ -65,7 +65,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, eval_rows: int = 200) -> dic
 
     User files stay where they are; `sources.json` records each split's path, sha256 and the
     cleaning settings, so the artifact digest changes whenever a user file or a setting does.
-    A user split without its own `*_eval` file gets rows held out of the same file (data/holdout.py,
+    A user split without its own `*_eval` file gets rows held out of the same file (data/heldout_split.py,
     at most `eval_rows`), written into the artifact and excluded from training.
     With on_bad_row=skip, malformed rows are counted per split (nothing is dropped silently).
     """
@@ -89,7 +89,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, eval_rows: int = 200) -> dic
             ids = holdout_ids(sources[base]["good_rows"], cfg.holdout, eval_rows, split)
             if not ids:
                 raise DataError(f"data.{base}: {user[base]} has {sources[base]['good_rows']} usable rows, too few to "
-                                f"hold out an evaluation set (data.holdout); give data.{split} a file of its own")
+                                f"hold out an evaluation set (data.heldout_split); give data.{split} a file of its own")
             generated[split] = out_dir / f"{split}.jsonl"
             rows = reader(user[base], report=CleanReport(max_examples=0), **{**read_settings, "on_bad_row": "skip"})
             write_held_out(rows, ids, base, generated[split])

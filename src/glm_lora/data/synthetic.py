@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from glm_lora.artifacts import atomic_write_text
+from glm_lora.artifacts.manifest import atomic_write_text
 from glm_lora.configs.errors import UserError
 
 TASK_FAMILIES: tuple[str, ...] = (

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from glm_lora.artifacts import sha256_json, staging_dir
+from glm_lora.artifacts.manifest import sha256_json, staging_dir
 
 log = logging.getLogger("glm_lora.data")
 

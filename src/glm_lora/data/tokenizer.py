@@ -6,7 +6,7 @@ tokenizer keeps its own template (GLM-4, Llama-3, ChatML, ...): `tokenize_chat` 
 the template renders for each answer plus its end-of-turn token, and `end_of_turn_ids` gives the
 tokens generation stops at, both found by rendering the template (`template_info`).
 
-Design choices (see NOTES.md, "Learning on the CPU default"):
+Design choices (measured on the CPU default: bench/RESULTS.md):
 - Every Latin letter, digit and newline is its own token. Plain BPE merges letters
   ("hello" -> "he ll o"), which makes a tiny model fail at reversing unseen words. We
   train with sentencepiece's `pretokenization_delimiter` around each such character, so

@@ -27,8 +27,8 @@ import logging
 import sys
 from pathlib import Path
 
-from glm_lora import kernels
-from glm_lora.configs import load_config, parse_value
+from glm_lora.kernels import ops as kernels
+from glm_lora.configs.load import load_config, parse_value
 from glm_lora.configs.errors import UserError
 from glm_lora.engine import dist, progress
 from glm_lora.engine.trainer import Runtime

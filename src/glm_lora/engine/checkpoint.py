@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from glm_lora.artifacts import code_version, read_manifest, sha256_json
+from glm_lora.artifacts.manifest import code_version, read_manifest, sha256_json
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import CheckpointConfig, Config, TrainConfig
 from glm_lora.engine.checkpoint_store import (BEST, DCP_DIR, FORMAT, FORMAT_SHARDED, MANIFEST, MODEL, OPTIMIZER, RANKS,

@@ -63,7 +63,7 @@ import safetensors.torch
 import torch
 import zstandard
 
-from glm_lora.artifacts import fsync, sha256_file, sha256_json, swap_into_place
+from glm_lora.artifacts.manifest import fsync, sha256_file, sha256_json, swap_into_place
 from glm_lora.artifacts.lock import pid_alive
 from glm_lora.configs.errors import UserError
 

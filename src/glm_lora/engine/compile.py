@@ -1,42 +1,26 @@
 """`<stage>.compile`: torch.compile the decoder's training forward and backward.
 
-What it buys (bench/RESULTS.md, "Two cores: where a CPU step's time goes"): on the tiny default's LoRA SFT
-step the eager model spends about a third of its time in small elementwise ops (RMSNorm, RoPE, SwiGLU, the
-LoRA scale-and-add, residuals), one ATen call each; inductor fuses them into a few C++/OpenMP loops, and
-the step runs 1.34-1.52x faster at the same thread count, with the loss equal to eager's up to fp32 rounding.
-The matrix products stay ATen's. Compiling costs ~24 s on two cores the first time (fwd + bwd graphs), ~6 s
-once the compiled artifacts are cached, so it pays for itself after ~450 steps: over the default SFT's 3000,
-not over pretrain's or DPO's 300 (those stay eager by default).
+Why: a small model's step spends much of its time in small elementwise ops (RMSNorm, RoPE, SwiGLU, the LoRA
+scale-and-add, residuals), one kernel each; inductor fuses them. The compile costs tens of seconds once, so on the
+CPU `auto` compiles only a stage of at least PAYBACK_STEPS steps; on CUDA a stage compiles only when asked (`true`,
+`max-autotune`): it pays for small, elementwise-heavy steps and not for large ones (figures: bench/RESULTS.md).
 
-Only training forwards are compiled: `Decoder.hidden_states` is replaced, on this model instance and for
-the block's duration, by a function that runs the compiled graph while the model is in train mode (the
-step's shapes are fixed: batch_size x seq_len packed rows) and the eager method otherwise (validation,
-greedy decoding: other and changing shapes that would each cost a recompile). Losses, optimizer and
-clipping stay eager: the lm_head runs on a data-dependent number of answer rows.
+Only training forwards are compiled: `Decoder.hidden_states` is replaced, on this model instance and for the
+block's duration, by a function that runs the compiled graph in train mode (fixed shapes: batch_size x seq_len
+packed rows) and the eager method otherwise (validation and decoding have other, changing shapes that would each
+recompile). Losses, optimizer and clipping stay eager: the lm_head runs on a data-dependent number of answer rows.
+On CUDA the compiled blocks run the torch reference ops (kernels.ops._impl inside a compiled region), which inductor
+fuses, in place of our Triton kernels; each block compiles as two graphs, cut before its MLP
+(model.COMPILE_SPLITS_BLOCKS: one graph over the stack was slower).
 
-On CUDA the compiled blocks run kernels "auto"'s torch reference ops (kernels._impl: inside a compiled region),
-which inductor fuses, in place of our Triton kernels. That pays where a step is small and elementwise-heavy: the
-125M pretraining step (8 x 2048 tokens, H100) ran 1.38x eager compiled and 1.48x with `compile: max-autotune`
-(inductor times its Triton GEMM templates against cuBLAS for each shape: MFU 0.298 -> 0.411 -> 0.440), but the 1B
-step gained 1.01x and a 1B LoRA SFT step lost (0.92x) (bench/RESULTS.md "Compiled blocks on the GPU" and
-"The LoRA table at 149b8d8 on an H100; `compile: max-autotune`"). So on CUDA a stage compiles when asked (`true`,
-`max-autotune`), never by `auto`. There each block compiles as two graphs, cut before its MLP
-(model.COMPILE_SPLITS_BLOCKS: one graph over the stack measured 1.15x slower at 125M).
-
-Falls back to eager, with a warning, where compiling can't work: a mixture-of-experts model, no C++ compiler
-for inductor on the CPU, or several processes (DDP/FSDP2 wrap the model; not measured). If the compile itself
-fails on the first call, that call and the rest of the stage run eager.
-
-`compile: auto` compiles a CPU stage of at least PAYBACK_STEPS steps and runs a shorter one eager: a cold compile
-(~24 s on two quiet cores, 60-90 s on a busy one) is won back by the faster steps after ~400-450 of them (the tiny
-SFT step at one or two threads; bench/RESULTS.md "Two cores"), so compiling a 10- or 120-step stage only adds time.
+Falls back to eager, with a warning, where compiling can't work: a mixture-of-experts model, no C++ compiler for
+inductor on the CPU, or several processes (DDP/FSDP2 wrap the model). If the compile itself fails on the first call,
+that call and the rest of the stage run eager.
 
 The compiled artifacts go to the user's cache, `$XDG_CACHE_HOME/glm-lora/inductor` or `~/.cache/glm-lora/inductor`
 (TORCHINDUCTOR_CACHE_DIR wins where it is set; `runs_dir/.cache/inductor` without a home directory): inductor names
 each entry by what decides it (the graph, torch's version and config, the C++ compiler), so another run directory,
-a fresh checkout or a CI clone on the same machine reuses what any of them compiled — the tiny SFT's compile on one
-thread: 21.3 s cold, 6.4 s warm (bench/RESULTS.md "Compiled once per machine"); under bf16 autocast (the default's
-`precision: auto`) AOT autograd's graphs are cached too since AUTOCAST_CACHEABLE: on two threads 18.6 s warm → 3.5 s.
+a fresh checkout or a CI clone on the same machine reuses what any of them compiled.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from glm_lora.configs.schema import Config
 from glm_lora.engine.adapter_stage import train_adapter
-from glm_lora.engine.heldout import eval_preferences
+from glm_lora.evaluation.heldout import eval_preferences
 from glm_lora.engine.losses import PreferenceLoss
 from glm_lora.model.adapters import load_policy
 

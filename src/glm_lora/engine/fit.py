@@ -22,7 +22,7 @@ from glm_lora.engine import dist, progress
 from glm_lora.engine.checkpoint import Checkpointer
 from glm_lora.engine.compile import compiled_training
 from glm_lora.engine.cuda_graphs import graphed_training
-from glm_lora.engine.heldout import validation_loss
+from glm_lora.engine.validation import validation_loss
 from glm_lora.engine.trainer import Runtime, train
 from glm_lora.model import DecoderConfig
 

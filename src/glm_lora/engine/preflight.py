@@ -21,9 +21,10 @@ from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
 from glm_lora.data.tokenizer import load_tokenizer
+from glm_lora.engine import rewards
 from glm_lora.model.hf import check_tokenizer_fits, check_weights, read_hf_config
-from glm_lora.engine import harness, rewards
-from glm_lora.engine.evaluate import read_task_rows
+from glm_lora.evaluation import harness
+from glm_lora.evaluation.metrics import read_task_rows
 from glm_lora.model import gguf_support
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig

@@ -10,7 +10,7 @@ from typing import Callable
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config
 from glm_lora.engine.adapter_stage import train_adapter
-from glm_lora.engine.heldout import eval_tasks
+from glm_lora.evaluation.heldout import eval_tasks
 from glm_lora.engine.losses import GRPOLoss
 from glm_lora.engine.rollouts import Rollouts
 from glm_lora.model.adapters import load_policy

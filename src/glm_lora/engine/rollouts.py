@@ -2,7 +2,7 @@
 
 `Rollouts` stands where the other stages' StageData stands (engine/fit.py calls `batches`): its batch stream
 draws `rl.batch_size` prompts per step from the SFT split (optionally only `rl.families`), samples
-`rl.group_size` answers to each with the current weights (engine/evaluate.sample_decode, KV cache, sampling
+`rl.group_size` answers to each with the current weights (evaluation/decode.sample_decode, KV cache, sampling
 generator seeded by the prompt cursor: a stage resumed from a checkpoint draws the same answers), scores them
 (engine/rewards.py) and yields one padded batch of prompt + answer rows with labels on the answers and each row's
 group-normalised advantage. The position (`data_state`) is the prompt cursor, saved with every checkpoint.
@@ -20,9 +20,10 @@ from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config, RLConfig
 from glm_lora.data.packing import IGNORE
 from glm_lora.data.prepare import split_path
-from glm_lora.data.tokenize import cut_messages
+from glm_lora.data.encode import cut_messages
 from glm_lora.data.tokenizer import end_of_turn_ids, prompt_ids_many
-from glm_lora.engine import dist, evaluate, rewards as reward_fns
+from glm_lora.engine import dist, rewards as reward_fns
+from glm_lora.evaluation import decode, metrics
 from glm_lora.engine.trainer import Runtime
 
 log = logging.getLogger("glm_lora.rl")
@@ -57,7 +58,7 @@ class Rollouts:
 
     def _prompts(self, cfg: Config, data_dir: Path) -> list[dict]:
         path = self.tc.prompts or split_path(data_dir, "sft")
-        rows = evaluate.read_task_rows(path, on_bad_row=cfg.data.on_bad_row, max_line_bytes=cfg.data.max_line_bytes)
+        rows = metrics.read_task_rows(path, on_bad_row=cfg.data.on_bad_row, max_line_bytes=cfg.data.max_line_bytes)
         numbered = list(enumerate(rows))        # row numbers of the split, before any family filter
         wanted = set(self.tc.families)
         if wanted:
@@ -69,7 +70,7 @@ class Rollouts:
         if room < 8:
             raise UserError(f"rl.seq_len ({self.tc.seq_len}) leaves {room} prompt tokens after rl.max_new_tokens "
                             f"({self.tc.max_new_tokens}); raise rl.seq_len")
-        split = [evaluate._split(r["conversations"], f"{path}: row {k}") for k, r in numbered]
+        split = [metrics.prompt_and_answer(r["conversations"], f"{path}: row {k}") for k, r in numbered]
         # one template render per prompt, then one batched tokenizer call (per-prompt apply_chat_template: ~6 ms each)
         ids_all = prompt_ids_many(self.tok, [cut_messages(self.tok, prompt, room, keep="tail") for prompt, _ in split])
         out = [{"prompt": prompt, "reference": reference, "task": r["task"], "ids": ids}
@@ -128,20 +129,20 @@ class Rollouts:
                                    task=row["task"], finished=bool(answer) and answer[-1] in stop)
             scores.append(per)
             if i % G == 0:
-                self._keep({"task": row["task"], "prompt": evaluate._sample(row["prompt"][-1]["content"]),
-                            "reference": row["reference"], "answer": evaluate._sample(text), **per})
+                self._keep({"task": row["task"], "prompt": metrics.clip_sample(row["prompt"][-1]["content"]),
+                            "reference": row["reference"], "answer": metrics.clip_sample(text), **per})
         total = torch.tensor([sum(s.values()) for s in scores]).view(len(rows), G)
         advantages = group_advantages(total).flatten()
         return self._batch(prompts, answers, advantages, total, scores)
 
     def _own_answers(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        generator = torch.Generator(device=evaluate._device(self.model)).manual_seed(seed)
+        generator = torch.Generator(device=decode.model_device(self.model)).manual_seed(seed)
         d = self.rt.dist
         lockstep = d.any if d is not None and dist.is_sharded(self.model) else bool
-        with evaluate._evaluating(self.model), self.rt.autocast():
-            return evaluate.sample_decode(self.model, prompts, max_new_tokens=self.tc.max_new_tokens, eos_id=self.stop,
+        with decode.evaluating(self.model), self.rt.autocast():
+            return decode.sample_decode(self.model, prompts, max_new_tokens=self.tc.max_new_tokens, eos_id=self.stop,
                                           temperature=self.tc.temperature, generator=generator, any_running=lockstep,
-                                          cuda_graph=evaluate.decode_graph_pays(self.model))
+                                          cuda_graph=decode.decode_graph_pays(self.model))
 
     def _keep(self, sample: dict) -> None:
         self.samples = (self.samples + [sample])[-SAMPLES_KEPT:]

@@ -31,6 +31,7 @@ import torch
 
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import TrainConfig
+from glm_lora.data.packing import to_device
 from glm_lora.engine.checkpoint import Checkpointer, TrainState
 from glm_lora.engine.dist import injected_failure
 from glm_lora.engine.optim import build_optimizer, lr_at
@@ -88,10 +89,6 @@ def cpu_has_native_bf16() -> bool:
         except (AttributeError, RuntimeError):      # a torch without the probe
             continue
     return False
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass

@@ -5,7 +5,7 @@ inputs from the run directory (the stage table, tasks/table.py, says which) — 
 imports no Prefect. `python -m glm_lora.flows.cli serve status|stop|promote` manages the configured run's served
 endpoint (serve/deploy.py): `promote --export DIR` (or `--previous`) puts an export on it through the
 blue/green path, e.g. to go back to yesterday's model. `harness --url URL --model NAME --tasks T` runs
-lm-evaluation-harness tasks against a served endpoint (engine/harness.py). `relocate EXPORT_DIR` points a copied
+lm-evaluation-harness tasks against a served endpoint (evaluation/harness.py). `relocate EXPORT_DIR` points a copied
 export's adapters at the copy's own base models (they name their bases by absolute path, so PEFT's one-liners load
 them from anywhere).
 
@@ -19,9 +19,9 @@ import logging
 import sys
 from pathlib import Path
 
-from glm_lora import artifacts
+from glm_lora.artifacts import manifest as artifacts
 from glm_lora.artifacts.lock import run_lock
-from glm_lora.configs import ConfigError, load_config, parse_value
+from glm_lora.configs.load import ConfigError, load_config, parse_value
 from glm_lora.configs.errors import UserError
 from glm_lora.engine import progress
 from glm_lora.tasks.table import STAGES
@@ -123,7 +123,7 @@ def _user_error(e: BaseException | str) -> int:
 
 def _run(args) -> int:
     if args.cmd == "relocate":
-        from glm_lora.export import relocate
+        from glm_lora.export.hf_peft import relocate
         print(json.dumps(relocate(args.export_dir), indent=2))
         return 0
 
@@ -185,7 +185,7 @@ def _harness(args) -> int:
     import os
     from pydantic import ValidationError
     from glm_lora.configs.schema import HarnessConfig
-    from glm_lora.engine import harness
+    from glm_lora.evaluation import harness
 
     try:
         hc = HarnessConfig(tasks=[t for t in args.tasks.split(",") if t], include_path=args.include_path,

@@ -12,9 +12,9 @@ from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
-from glm_lora.artifacts import read_manifest
+from glm_lora.artifacts.manifest import read_manifest
 from glm_lora.artifacts.lock import run_lock
-from glm_lora.configs import ConfigError, load_config
+from glm_lora.configs.load import ConfigError, load_config
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config
 from glm_lora.engine.preflight import preflight

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Failed
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.configs.errors import UserError
 
 

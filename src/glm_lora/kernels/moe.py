@@ -36,7 +36,7 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, lora: ExpertLoRA | None) -> torch.Tensor:
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     if lora is None:
         return kernels.grouped_mm(x, weight, offsets)
     return kernels.grouped_lora_mm(x, weight, lora.a, lora.b, lora.scale, offsets)
@@ -50,7 +50,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     x (N, C); experts, weights (N, k); gate_up (E, 2I, C) with [gate | up] rows; down (E, C, I). Under autocast x
     is cast before it is gathered (the GEMMs take that dtype anyway: half the bytes moved) and the result is in it.
     """
-    from glm_lora import kernels
+    from glm_lora.kernels import ops as kernels
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     N, k = experts.shape

@@ -285,7 +285,7 @@ def _dropout_up(dxa, a, bits, factor):
 # Autograd
 # ---------------------------------------------------------------------------------------------
 
-FOLD_INTO_GEMM = False     # the rank-r product in the base GEMM's epilogue (kernels/triton_lora_gemm.py); see kernels/__init__
+FOLD_INTO_GEMM = False     # the rank-r product in the base GEMM's epilogue (kernels/triton_lora_gemm.py); see kernels/ops.py
 
 
 def _folds(bits, a: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Our adapter on disk, beside the LoRA code it saves: `adapter.safetensors` (the trainable tensors of
 lora_state_dict: LoRA A/B and any modules_to_save) + `adapter.json` (the LoRAConfig it was made with).
-Export turns these into PEFT's format (export/__init__.py); training stages and export load them here.
+Export turns these into PEFT's format (export/hf_peft.py); training stages and export load them here.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ NF4_BNB_CONFIG = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_
                   "bnb_4bit_compute_dtype": "bfloat16"}
 
 
-VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter (export/__init__.py)
+VLLM_SUFFIX = "-vllm"     # adapters/<name>-vllm/: the split form of a fused layout's adapter (export/hf_peft.py)
 
 
 def served_form(export_dir: Path, adapter: str, moe: bool = False) -> dict:

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import ALL_LINEAR, LoRAConfig     # "all-linear": PEFT's term for every linear projection
 from glm_lora.kernels.moe import ExpertLoRA

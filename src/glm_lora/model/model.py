@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 @dataclass(frozen=True)
 class Layout:
     """What one HF architecture's decoder layer has (names as in its transformers modeling file)."""
@@ -157,7 +157,7 @@ def _attention_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class KVCache:
-    """Every layer's keys and values so far, for incremental greedy decoding (engine/evaluate.py).
+    """Every layer's keys and values so far, for incremental greedy decoding (evaluation/decode.py).
 
     Rows may be at different lengths: each forward writes its tokens' keys/values at their own
     `position_ids`, and a new token attends to the slots up to its position. The first forward (the

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from glm_lora import kernels
+from glm_lora.kernels import ops as kernels
 from glm_lora.kernels.reference import NESTED_BLOCK, NF4_BLOCK
 
 # bitsandbytes' get_4bit_type("nf4"): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.

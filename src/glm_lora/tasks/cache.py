@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
-from glm_lora import artifacts
-from glm_lora.artifacts import code_version, is_complete, read_manifest, sha256_json, sha256_path
-from glm_lora.configs import get_dotted
+from glm_lora.artifacts import manifest as artifacts
+from glm_lora.artifacts.manifest import code_version, is_complete, read_manifest, sha256_json, sha256_path
+from glm_lora.configs.load import get_dotted
 from glm_lora.configs.schema import Config
 from glm_lora.tasks.table import DISTRIBUTED, STAGES, chain, upstream
 
@@ -127,8 +127,8 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
         if cfg.dist.launcher == "torchrun" or world_size(cfg) > 1:
             fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
-    from glm_lora import kernels      # here, not at the top: reading the cache (`status`, a config error) loads no torch
-    with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/__init__.py
+    from glm_lora.kernels import ops as kernels      # here, not at the top: reading the cache (`status`, a config error) loads no torch
+    with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/ops.py
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),
                               config={"cache_key": key, "key_parts": parts, "run": cfg.model_dump(mode="json")},
                               inputs=[artifacts.ArtifactRef.from_dict(r) for r in inputs.values()])

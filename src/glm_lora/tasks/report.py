@@ -55,7 +55,7 @@ def family_rows(ev: dict) -> list[dict]:
 
 
 def harness_rows(metrics: dict) -> list[dict]:
-    """The harness stage's scores: one row per lm-evaluation-harness task (engine/harness.py), the base's beside."""
+    """The harness stage's scores: one row per lm-evaluation-harness task (evaluation/harness.py), the base's beside."""
     base = metrics.get("base") or {}
     return [{"task": task, "metric": s["metric"], "score": _fmt(s["score"]),
              "stderr": _fmt(s.get("stderr") or ""), "base": _fmt(base.get(task, {}).get("score", "")),

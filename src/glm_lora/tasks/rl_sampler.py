@@ -31,7 +31,7 @@ from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config
 from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer
 from glm_lora.engine import dist, rl
-from glm_lora.export import DTYPES, write_hf_model, write_peft_adapter   # the export's writers: what vLLM serves later
+from glm_lora.export.hf_peft import DTYPES, write_hf_model, write_peft_adapter   # the export's writers: what vLLM serves later
 from glm_lora.model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from glm_lora.model.lora import lora_state_dict
 from glm_lora.serve import vllm_server as vs
@@ -160,7 +160,7 @@ def remove_stale(run_dir: Path) -> None:
 
 
 def sampler_for(cfg: Config, policy, tokenizer_dir: Path) -> VLLMSampler | None:
-    """The stage's vLLM sampler when rl.sampler is vllm (None: our own sampler, engine/evaluate.sample_decode)."""
+    """The stage's vLLM sampler when rl.sampler is vllm (None: our own sampler, evaluation/decode.sample_decode)."""
     if cfg.rl.sampler != "vllm":
         return None
     if dist.world_size(cfg) > 1:

@@ -62,7 +62,7 @@ def train_slot():
 
 
 def _compare_artifact(cfg: Config, out: Path, metrics: dict) -> None:
-    from glm_lora.export import COMPARE
+    from glm_lora.export.hf_peft import COMPARE
     if (out / COMPARE).is_file():
         create_markdown_artifact(key=artifact_key(cfg.run_name, "compare"), markdown=(out / COMPARE).read_text(),
                                  description="fixed prompts side by side")

@@ -16,7 +16,7 @@ from typing import Callable
 
 from glm_lora.configs.schema import LORA_STAGES, Config
 
-TRAINING_CODE = ("configs", "data", "engine", "kernels", "model")
+TRAINING_CODE = ("configs", "data", "engine", "evaluation", "kernels", "model")
 StageFunction = Callable[[Config, dict[str, Path], Path], dict]
 
 
@@ -46,11 +46,11 @@ STAGES: dict[str, Stage] = {
     # Optional (rl.enabled): GRPO on the DPO model; `glm-lora stage rl` runs it on a run's cached stages
     "rl": Stage("glm_lora.tasks.rl_sampler:rl_stage", ("base", "sft", "dpo", "tokenizer", "data"), ("rl", *_ENGINE),
                 TRAINING_CODE + ("export", "serve", "tasks")),     # rl.sampler vllm: tasks/rl_sampler.py
-    "export": Stage("glm_lora.export:run", ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
+    "export": Stage("glm_lora.export.hf_peft:run", ("base", "sft", "dpo", "tokenizer"), ("serve.dtype", "eval"),
                     ("export",) + TRAINING_CODE, ignore=("eval.harness",)),
     # Optional (eval.harness.tasks non-empty): lm-evaluation-harness on export/merged (and base/); the serve stage's
     # gate reads its scores
-    "harness": Stage("glm_lora.engine.harness:run", ("export", "data"), ("eval.harness", "device"), ("engine", "data")),
+    "harness": Stage("glm_lora.evaluation.harness:run", ("export", "data"), ("eval.harness", "device"), ("evaluation", "data")),
     # Optional (export.gguf non-empty): the final model as GGUF files for llama.cpp / Ollama
     "gguf": Stage("glm_lora.export.gguf:run", ("export",), ("export.gguf",), ("export", "model")),
     "serve": Stage("glm_lora.serve.stage:run", ("export",), ("serve",), ("serve", "export") + TRAINING_CODE, cached=False),

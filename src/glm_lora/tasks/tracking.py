@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from glm_lora.artifacts import MANIFEST, read_manifest
+from glm_lora.artifacts.manifest import MANIFEST, read_manifest
 from glm_lora.configs.schema import Config
 from glm_lora.tasks import report
 

@@ -1,4 +1,4 @@
-"""The KV-cached greedy decoder (engine.evaluate.greedy_decode) gives the token ids of the decoder it
+"""The KV-cached greedy decoder (evaluation.decode.greedy_decode) gives the token ids of the decoder it
 replaced (batched, the whole prefix re-run every step, kept here as the reference) and of Decoder.generate,
 for every layout (GLM's interleaved partial RoPE and sandwich norms included), with a LoRA adapter,
 ragged prompt lengths, several stop ids and prompts that fall back to the cropped path."""
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_lora.engine.evaluate import _cropped_then_batches, _generate, _stop_set, greedy_decode
+from glm_lora.evaluation.decode import _cropped_then_batches, _generate, _stop_set, greedy_decode
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.model import LAYOUTS, KVCache
 from glm_lora.configs.schema import LoRAConfig
 
 
 def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size=32):
-    """The previous engine.evaluate.greedy_decode (before the KV cache): its batched loop verbatim."""
+    """The previous evaluation.decode.greedy_decode (before the KV cache): its batched loop verbatim."""
     stop = _stop_set(eos_id)
     device = model.lm_head.weight.device
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
@@ -108,7 +108,7 @@ def test_cached_decode_under_bf16_autocast(arch):
     """Under autocast (the GPU default, the CPU default on AMX) a q/k-normed layout's keys leave the fp32 RMSNorm while
     its values are bf16: the cache keeps each in its own dtype (it raised at the first decode step for qwen3), and
     the greedy ids equal the uncached decoder's under the same autocast."""
-    from glm_lora.engine.evaluate import sample_decode
+    from glm_lora.evaluation.decode import sample_decode
     model, ps = decoder(arch, 5), prompts(6, 6)[:6]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = greedy_decode(model, ps, max_new_tokens=6, eos_id=None)

@@ -1,70 +1,23 @@
-"""The held-out splits during and after training: the validation loss a stage tracks every
-`eval_every` steps (early stopping) and the metrics it reports at the end (engine/evaluate.py),
-read from the data artifact like training data (`data.on_bad_row`, `data.max_line_bytes`), each
-result naming the rows it came from (`data`).
+"""The metrics a training stage reports at its end on the held-out splits (evaluation.metrics), read from the data
+artifact like training data (`data.on_bad_row`, `data.max_line_bytes`), each result naming the rows it came from
+(`data`).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 from pathlib import Path
-from typing import Callable
 
-import torch
-
-from glm_lora.configs.schema import Config, TrainConfig
+from glm_lora.configs.schema import Config
 from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport
-from glm_lora.data.packing import PackedBatches
-from glm_lora.data.pipeline import StageData, shares_prompt
 from glm_lora.data.prepare import split_path, split_provenance
-from glm_lora.engine import evaluate
-from glm_lora.engine.trainer import Runtime, to_device
-from glm_lora.model import lora_disabled
+from glm_lora.evaluation.metrics import (
+    answer_metrics, kto_metrics, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate, task_metrics,
+)
+from glm_lora.model.lora import lora_disabled
 
 log = logging.getLogger("glm_lora.heldout")
-
-
-def validation_loss(data: StageData, kind: str, tc: TrainConfig, loss_fn, model, rt: Runtime,
-                    max_rows: int) -> Callable[[], float]:
-    """`validate()`: the stage's own loss over its held-out split (one packed pass), weighted by
-    target tokens (LM losses) or by pairs (DPO).
-
-    Several processes: every rank calls it (a sharded model's forward is collective). Rank r packs rows
-    r, r + world_size, ...; ranks with fewer batches run their last one again at weight 0 (as many forwards
-    everywhere), and the weighted sums are added up over ranks: the same value on every rank, the same
-    weighted mean as one process computes (up to float rounding).
-    """
-    store = data.store(kind, tc, split=f"{kind}_eval")
-    group = store.meta["group_size"]
-    groups = min(len(store) // group, max_rows)
-    d = rt.dist
-
-    def packed(rows) -> PackedBatches:
-        return PackedBatches(store, iter(rows), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group,
-                             share_prefix=shares_prompt(tc, group))
-
-    @torch.no_grad()
-    def validate() -> float:
-        model.eval()
-        total, weight = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-        if d is None:
-            batches = ((batch, 1) for batch in packed(range(groups)))
-        else:
-            mine = list(packed(range(d.rank, groups, d.world_size)))
-            spare = mine[-1:] or list(itertools.islice(packed(range(groups)), 1))    # fewer rows than ranks
-            batches = [(b, 1) for b in mine] + [(spare[0], 0)] * (d.max(len(mine)) - len(mine))
-        for batch, counted in batches:
-            batch = to_device(batch, rt.device)
-            with rt.autocast():
-                loss, m = loss_fn(model, batch)
-            w = m["target_tokens"] if "target_tokens" in m else batch["group_docs"].shape[0]
-            total += loss.float() * w * counted        # (× 1 is exact: one process computes what it always did)
-            weight += w * counted
-        if d is not None:
-            total, weight = (torch.tensor(v, device=rt.device) for v in d.sum([float(total), float(weight)]))
-        return float(total / weight.clamp(min=1))
-    return validate
 
 
 def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
@@ -74,7 +27,7 @@ def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
     rows = formats.read_pretrain(split_path(data_dir, "pretrain_eval"), on_bad_row=dc.on_bad_row, report=report,
                                  max_line_bytes=dc.max_line_bytes)
     texts = list(itertools.islice(rows, cfg.eval.max_rows))
-    metrics = evaluate.lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
+    metrics = lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
     if report.dropped.get("bad_row"):
         log.warning("pretrain_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
@@ -85,13 +38,13 @@ def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
 def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
     """Exact match on sft_eval; bad rows as in eval_lm (counted in `bad_rows_sft_eval`)."""
     dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
-    rows = evaluate.read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows,
+    rows = read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows,
                                    on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes)
     if report.dropped.get("bad_row"):
         log.warning("sft_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
-    metrics = evaluate.task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
-    answers = evaluate.answer_metrics(model, tok, rows, seq_len=cfg.sft.seq_len)
+    metrics = task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
+    answers = answer_metrics(model, tok, rows, seq_len=cfg.sft.seq_len)
     return {**metrics, **answers, "bad_rows_sft_eval": report.dropped.get("bad_row", 0),
             "data": {"sft_eval": split_provenance(data_dir, "sft_eval", len(rows))}}
 
@@ -110,13 +63,13 @@ def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
     if len(pairs) < len(rows):          # unpaired rows: KTO's view (pairs among them count as two rows)
         unpaired = [k for r in rows for k in ([r] if isinstance(r, formats.KTORow) else
                                               [formats.KTORow(r[0], r[1], True), formats.KTORow(r[0], r[2], False)])]
-        prefs, rejected, sft_rejected = evaluate.kto_metrics(model, tok, unpaired, seq_len=cfg.dpo.seq_len,
+        prefs, rejected, sft_rejected = kto_metrics(model, tok, unpaired, seq_len=cfg.dpo.seq_len,
                                                              beta=cfg.dpo.beta), None, None
     else:
-        prefs = evaluate.preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
-        rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+        prefs = preference_metrics(model, tok, pairs, seq_len=cfg.dpo.seq_len, beta=cfg.dpo.beta)
+        rejected = rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
         with lora_disabled(model):      # the SFT model, for "DPO must lower the rejected-answer rate"
-            sft_rejected = evaluate.rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
+            sft_rejected = rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
     tasks = eval_tasks(cfg, model, tok, data_dir)
     kept = ("exact_match", "min_family", "per_family", "chrf", "answer_loss", "answer_perplexity", "samples",
             "bad_rows_sft_eval")

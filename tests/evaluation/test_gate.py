@@ -1,9 +1,9 @@
-"""engine/gate.py: the promotion gate refuses worse or unmeasured models, naming metric and numbers."""
+"""evaluation/gate.py: the promotion gate refuses worse or unmeasured models, naming metric and numbers."""
 from __future__ import annotations
 
 import math
 
-from glm_lora.engine.gate import lookup, promotion_gate
+from glm_lora.evaluation.gate import lookup, promotion_gate
 
 SERVED = {"sft": {"exact_match": 0.97, "per_family": {"add_en": 0.95}}, "dpo": {"implicit_reward_accuracy": 0.91},
           "pretrain": {"perplexity": 2.1}}
@@ -77,7 +77,7 @@ def test_lookup_dotted_and_flat_keys():
 
 
 def _scored(score, higher_is_better=True) -> dict:
-    """Metrics with an lm-evaluation-harness score (engine/harness.py's shape) for the task `arith`."""
+    """Metrics with an lm-evaluation-harness score (evaluation/harness.py's shape) for the task `arith`."""
     return {"harness": {"arith": {"metric": "exact_match", "exact_match": score, "score": score,
                                   "higher_is_better": higher_is_better}}}
 

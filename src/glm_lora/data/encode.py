@@ -22,7 +22,7 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from glm_lora.artifacts import code_version, sha256_file
+from glm_lora.artifacts.manifest import code_version, sha256_file
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.token_store import IGNORE, TokenStore, cached_token_store
 from glm_lora.data.tokenizer import ChatRowError, chat_tokens, prompt_ids, tokenize_chat

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Collection
 
-from glm_lora.configs import MISSING
+from glm_lora.configs.load import MISSING
 
 LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "rejected_match_rate")
 _MISSING = MISSING    # the one "no such key" sentinel (configs.get_dotted)
@@ -65,7 +65,7 @@ def promotion_gate(candidate: dict, served: dict | None, *, thresholds: dict[str
     models must be measured on the same data for the comparison to mean anything).
 
     `harness` (task → min_delta, serve.gate.harness): the candidate's lm-evaluation-harness score
-    (`harness.<task>.score`, engine/harness.py) must be present and beat the served model's by min_delta
+    (`harness.<task>.score`, evaluation/harness.py) must be present and beat the served model's by min_delta
     (negative: that much loss allowed); where the served model has no score (nothing served, or served before
     the task was), `base`'s (the export's base model, scored by the same stage); with neither, presence only.
     """

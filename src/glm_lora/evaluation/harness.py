@@ -5,7 +5,7 @@ The stage `harness` (after export) scores export/merged in-process with lm_eval'
 scores a served endpoint through lm_eval's `local-chat-completions` model.
 
 Tasks are looked up in the shipped folder (harness_tasks/: glm_lora_arithmetic and glm_lora_strings, the synthetic
-data's held-out families scored like engine/evaluate.py, over the run's data/sft_eval.jsonl), then in the user's
+data's held-out families scored like evaluation/metrics.py, over the run's data/sft_eval.jsonl), then in the user's
 eval.harness.include_path folders, and only for a name found in neither, among lm_eval's own ~14,000 task files
 (indexing those takes ~15 s on 2 cores). Nothing is downloaded: Hugging Face's offline mode is on (unless the
 environment says otherwise), so a built-in task runs only from the local datasets cache; preflight loads every

@@ -1,4 +1,4 @@
-"""engine/evaluate.py: eval metrics on fixtures with known answers.
+"""evaluation/metrics.py: eval metrics on fixtures with known answers.
 
 Forced models are `Oracle`s: real nn.Modules with the Decoder's interface (hidden_states,
 lm_head, forward, generate, config) whose logits put SCALE on the token a lookup table gives
@@ -20,14 +20,14 @@ from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.formats import DataError, read_dpo
 from glm_lora.data.prepare import prepare_data
 from glm_lora.data.synthetic import TASK_FAMILIES, generate
-from glm_lora.data.tokenize import lm_examples
+from glm_lora.data.encode import lm_examples
 from glm_lora.data.tokenizer import load_tokenizer, train_tokenizer
-from glm_lora.engine.evaluate import (
-    compare_prompts, greedy_answers, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate,
-    task_metrics,
-)
-from glm_lora.engine import heldout
 from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.evaluation import heldout
+from glm_lora.evaluation.decode import greedy_answers
+from glm_lora.evaluation.metrics import (
+    compare_prompts, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate, task_metrics,
+)
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from tests.oracle import Oracle
 from glm_lora.configs.schema import LoRAConfig
@@ -198,8 +198,8 @@ def test_preference_metrics_untrained_adapter_scores_zero(tok, pairs):
 def test_preference_metrics_trained_adapter_prefers_chosen(tok, pairs):
     """A few DPO steps on the pairs themselves: every pair's implicit reward favours chosen."""
     from glm_lora.data.packing import padded_batches
-    from glm_lora.engine.evaluate import _Examples
-    from glm_lora.data.tokenize import dpo_examples
+    from glm_lora.evaluation.metrics import _Examples
+    from glm_lora.data.encode import dpo_examples
 
     model = tiny_decoder(tok)
     inject_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], r=4, alpha=8))

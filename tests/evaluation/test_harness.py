@@ -1,4 +1,4 @@
-"""engine/harness.py without a model: the shipped tasks' rows and scoring, lm_eval's results read into our scores,
+"""evaluation/harness.py without a model: the shipped tasks' rows and scoring, lm_eval's results read into our scores,
 and the checks that stop a run before training. The stage itself runs in tests/test_dag.py, the endpoint path in
 tests/serve/test_deployment.py."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from glm_lora.configs import load_config
+from glm_lora.configs.load import load_config
 from glm_lora.configs.errors import UserError
-from glm_lora.engine import harness
+from glm_lora.evaluation import harness
 from glm_lora.engine.preflight import preflight
 
 
@@ -92,7 +92,7 @@ def test_task_folders_and_data_are_checked_before_training(tmp_path):
 
 
 def test_the_gate_names_only_tasks_the_harness_stage_runs():
-    from glm_lora.configs import ConfigError
+    from glm_lora.configs.load import ConfigError
     with pytest.raises(ConfigError, match=r"serve.gate.harness names \['glm_lora_strings'\], which eval.harness.tasks"):
         load_config("tiny", {"eval.harness.tasks": ["glm_lora_arithmetic"],
                              "serve.gate.harness": {"glm_lora_strings": 0.0}})

@@ -62,7 +62,7 @@ def _cli_imports(tmp_path, *args: str) -> dict:
     import sys
     code = ("import json, sys; from glm_lora.flows import cli; rc = cli.main(sys.argv[1:]); "
             "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'dynamo': 'torch._dynamo' in sys.modules}))")
-    out = subprocess.run([sys.executable, "-c", code, *args, "--set", f"runs_dir={tmp_path}"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip(), out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,11 +71,18 @@ def _cli_imports(tmp_path, *args: str) -> dict:
 def test_a_config_error_is_reported_without_loading_torch(tmp_path):
     """A typo in a key costs 0.2 s, not the 2.4 s of importing torch and every stage (tasks/table.py names the
     stage functions; the CLI imports the preflight after the config loaded)."""
-    assert _cli_imports(tmp_path, "stage", "data", "--config", "tiny", "--set", "sft.no_such_key=1") == \
-        {"rc": 2, "torch": False, "dynamo": False}
+    assert _cli_imports(tmp_path, "stage", "data", "--config", "tiny", "--set", "sft.no_such_key=1",
+                        "--set", f"runs_dir={tmp_path}") == {"rc": 2, "torch": False, "dynamo": False}
+
+
+def test_the_config_reference_loads_no_torch(tmp_path):
+    """`glm-lora config KEY` reads the schema and the presets only."""
+    for args in (["config", "sft.max_steps"], ["config", "sft.max_step"]):
+        assert _cli_imports(tmp_path, *args)["torch"] is False, args
 
 
 def test_the_data_stage_checks_the_config_without_importing_torch_dynamo(tmp_path):
     """The preflight's LoRA and memory checks build the model on the meta device without its initialisers
     (model.model.shapes_only): initialising meta tensors imports torch._dynamo, ~1 s of every CLI stage call."""
-    assert _cli_imports(tmp_path, "stage", "data", "--config", "tiny") == {"rc": 0, "torch": True, "dynamo": False}
+    assert _cli_imports(tmp_path, "stage", "data", "--config", "tiny", "--set", f"runs_dir={tmp_path}") == \
+        {"rc": 0, "torch": True, "dynamo": False}

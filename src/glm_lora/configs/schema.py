@@ -1,6 +1,7 @@
 """The one typed schema for glm-lora configs; YAML presets in this folder fill it in.
 
-Every field's default lives here and nowhere else. Unknown keys and bad values are
+Every field's default and its user-facing description live here and nowhere else (docs/config.md and
+`glm-lora config KEY` are generated from them: configs/reference.py). Unknown keys and bad values are
 rejected with the dotted key and the allowed values named.
 """
 from __future__ import annotations
@@ -49,80 +50,114 @@ COMPARE_PROMPTS = [
 
 
 class SyntheticData(Section):
-    """The bundled generator (data/synthetic.py): bilingual corpus + SFT/DPO task sets."""
+    """A bilingual (English / Chinese) corpus and SFT / DPO task sets (arithmetic, unit conversion, copying and
+    reversing strings), used for every split you leave null under `data`."""
 
-    seed: int = 0
-    n_pretrain: int = Field(4000, ge=3)
-    n_sft: int = Field(40000, ge=1)     # enough distinct rows that SFT generalises instead of memorising
-    n_dpo: int = Field(4000, ge=1)
-    n_eval: int = Field(200, ge=1)
-    sft_weights: dict[str, PositiveFloat] = {}  # task family → share weight in the SFT file (default 1 each)
-    # Prompts (in the task templates) whose problems no training file holds, in either language, so
-    # answering them shows generalisation; default: the fixed prompts. Set it again if you change
-    # eval.compare_prompts or serve.prompt (it is the data stage's key, they are not).
-    held_out_prompts: list[str] = COMPARE_PROMPTS
+    seed: int = Field(0, description="Seed of the generator: the same seed gives the same files.")
+    n_pretrain: int = Field(4000, ge=3, description="Pretraining documents generated.")
+    n_sft: int = Field(40000, ge=1, description="SFT conversations generated: enough distinct rows that SFT "
+                                                "generalises instead of memorising.")
+    n_dpo: int = Field(4000, ge=1, description="DPO preference pairs generated.")
+    n_eval: int = Field(200, ge=1, description="Rows of each held-out evaluation set.")
+    sft_weights: dict[str, PositiveFloat] = Field(
+        {}, description="Task family → its share of the SFT file, as a weight (families not named weigh 1), e.g. "
+                        "`{add_en: 3, add_zh: 3}`. Families: add_en, add_zh, sub_en, sub_zh, copy_en, copy_zh, "
+                        "reverse_en, reverse_zh, units_en, units_zh. The evaluation sets stay balanced.")
+    held_out_prompts: list[str] = Field(
+        COMPARE_PROMPTS, description="Prompts (phrased as in the task templates) whose problems no training file "
+                                     "holds, in either language, so that a right answer shows generalisation. "
+                                     "Default: the compared prompts. It does not follow eval.compare_prompts or "
+                                     "serve.prompt: set it again when you change those.")
 
 
 class HoldoutConfig(Section):
-    """Held-out rows taken from your own file for a split without its own `*_eval` path (data/holdout.py)."""
+    fraction: float = Field(0.02, ge=0, le=0.2, description="Fraction of the split's good rows held out: at least "
+                                                            "min_rows, at most eval.max_rows and a fifth of the "
+                                                            "split.")
+    min_rows: int = Field(8, ge=0, description="Rows held out at least, however small the fraction (still at most "
+                                               "eval.max_rows and a fifth of the split).")
+    seed: int = Field(0, description="Seed of the choice of held-out rows.")
 
-    fraction: float = Field(0.02, ge=0, le=0.2)   # of the split's good rows ...
-    min_rows: int = Field(8, ge=0)                # ... but at least this many (at most eval.max_rows, a fifth of the split)
-    seed: int = 0
+
+def _eval_file(split: str, rows: str):
+    return Field(None, description=f"Held-out {rows}, in the formats of data.{split}. null: rows held out of "
+                                   f"data.{split} (data.holdout), or the synthetic set where data.{split} is null.")
 
 
 class DataConfig(Section):
-    """Paths to your own files; any left null comes from the synthetic generator.
+    """Paths to your own files; any left null comes from the synthetic generator (`data.synthetic`).
 
-    A split you supply without its `*_eval` file is evaluated on rows held out of the same file
-    (`holdout`), never on the synthetic sets; those are used only with synthetic training data.
+    A file may be JSON Lines (`.jsonl`), a JSON array (`.json`), plain text (`.txt`, pretraining only: one document
+    a line), Parquet, Arrow, or a directory written by `datasets`' `save_to_disk`. A split you supply without its
+    `*_eval` file is evaluated on rows held out of the same file (`data.holdout`), never on the synthetic sets;
+    those are used only with synthetic training data.
     """
 
-    synthetic: SyntheticData = SyntheticData()
-    pretrain: Path | None = None       # JSONL {"text"} or .txt
-    pretrain_eval: Path | None = None
-    sft: Path | None = None            # JSONL {"conversations": [{"role","content"}...]}
-    sft_eval: Path | None = None
-    dpo: Path | None = None            # JSONL {"chosen": [msgs], "rejected": [msgs]}
-    dpo_eval: Path | None = None
-    on_bad_row: Literal["error", "skip"] = "error"   # skip: count and report malformed rows
-    dedup: bool = False                # drop exact duplicates
-    min_tokens: int = Field(2, ge=1)   # drop shorter documents / conversations
-    # SFT/DPO rows longer than seq_len: truncate_prompt cuts the prompt from the left (oldest turns, then the
-    # start of the first message) and keeps the last answer whole (an answer too long alone is cut at its end);
-    # truncate cuts the end; drop drops the row.
-    overlong: Literal["truncate_prompt", "truncate", "drop"] = "truncate_prompt"
-    # A longer JSONL/.txt line (or JSON array element, or string field of a Parquet/Arrow row) is a
-    # bad row naming its place: memory stays bounded however large a row in the file is.
-    max_line_bytes: int = Field(8 * 2**20, ge=1024, le=2**31 - 1)
-    report_examples: int = Field(3, ge=0, le=100)   # dropped-row messages kept per reason in reports; 0 = none
-    # A split that loses more than this fraction of its rows (any reason: bad_row, empty, duplicate, overlong,
-    # no_target, min_tokens...) fails the stage, with the counts by reason; 1 = never.
-    max_drop_fraction: float = Field(0.2, ge=0.0, le=1.0)
-    holdout: HoldoutConfig = HoldoutConfig()
+    synthetic: SyntheticData = Field(SyntheticData(), description="The bundled synthetic data generator.")
+    pretrain: Path | None = Field(None, description='Pretraining documents: rows `{"text": ...}`, or a `.txt` file '
+                                                    "with one document a line. null: synthetic.")
+    pretrain_eval: Path | None = _eval_file("pretrain", "pretraining documents")
+    sft: Path | None = Field(None, description='SFT conversations: rows `{"conversations": [{"role", "content"}, '
+                                               '...]}` (or "messages"), ShareGPT `{"from", "value"}` messages, or '
+                                               "Alpaca `instruction` / `input` / `output`; each ends with the "
+                                               "assistant's answer. null: synthetic.")
+    sft_eval: Path | None = _eval_file("sft", "SFT conversations")
+    dpo: Path | None = Field(None, description='Preference pairs: rows `{"chosen": [messages], "rejected": '
+                                               '[messages]}` that differ only in the last answer, or `{"prompt", '
+                                               '"chosen", "rejected"}` (TRL). With dpo.loss kto: unpaired rows '
+                                               '`{"prompt" or "messages", "completion", "label": true/false}`. '
+                                               "null: synthetic.")
+    dpo_eval: Path | None = _eval_file("dpo", "preference rows")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="A malformed row: error fails the stage naming the file, row and field; skip counts it "
+                             "in the stage's report and goes on.")
+    dedup: bool = Field(False, description="Drop exact duplicate rows.")
+    min_tokens: int = Field(2, ge=1, description="Drop documents and conversations shorter than this many tokens.")
+    overlong: Literal["truncate_prompt", "truncate", "drop"] = Field(
+        "truncate_prompt", description="SFT / DPO rows longer than the stage's seq_len: truncate_prompt cuts the "
+                                       "prompt from the left (oldest turns first, then the start of the first "
+                                       "message) and keeps the last answer whole (an answer too long alone is cut "
+                                       "at its end); truncate cuts the end; drop drops the row.")
+    max_line_bytes: int = Field(
+        8 * 2**20, ge=1024, le=2**31 - 1,
+        description="Longest row in bytes: a longer JSONL / .txt line, JSON array element, or string field of a "
+                    "Parquet / Arrow row is a bad row naming its place, so memory stays bounded however large a row "
+                    "in the file is.")
+    report_examples: int = Field(3, ge=0, le=100, description="Dropped-row messages kept per reason in the stage's "
+                                                              "report; 0: none.")
+    max_drop_fraction: float = Field(
+        0.2, ge=0.0, le=1.0,
+        description="Fail the stage, with the counts by reason, when a split loses more than this fraction of its "
+                    "rows for any reason (bad_row, empty, duplicate, overlong, no_target, min_tokens...); 1: never.")
+    holdout: HoldoutConfig = Field(HoldoutConfig(), description="Rows held out of your own file for evaluation, for "
+                                                                "a split you supply without its `*_eval` file.")
 
 
 class TokenizerConfig(Section):
-    vocab_size: int = Field(2000, ge=300)
+    vocab_size: int = Field(2000, ge=300, description="Vocabulary size; an upper bound where the corpus has fewer "
+                                                      "distinct pieces.")
 
 
 class ModelConfig(Section):
-    """Decoder shape and layout; maps 1:1 onto the transformers class of `arch` (see model/hf.py)."""
-
-    # Layout, named by HF model_type: llama; qwen2 (+ q/k/v bias); qwen3 (+ per-head q/k RMSNorm, which
-    # bounds attention logits); glm (GlmForCausalLM: q/k/v bias, fused gate_up_proj, GLM's interleaved RoPE
-    # on half of each head); glm4 (Glm4ForCausalLM, GLM-4-0414: glm + a norm after attention and after the MLP).
-    arch: Literal["llama", "qwen2", "qwen3", "glm", "glm4"] = "llama"   # = model/model.py LAYOUTS
-    vocab_size: int | None = None      # None: taken from the tokenizer
-    hidden_size: int = Field(192, ge=8)
-    num_layers: int = Field(3, ge=1)
-    num_heads: int = Field(6, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(512, ge=8)
-    max_seq_len: int = Field(512, ge=16)
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    arch: Literal["llama", "qwen2", "qwen3", "glm", "glm4"] = Field(
+        "llama", description="Layout, named by Hugging Face model_type: llama; qwen2 (llama + q/k/v bias); qwen3 "
+                             "(llama + per-head q/k RMSNorm, which bounds attention logits); glm (GlmForCausalLM: "
+                             "q/k/v bias, fused gate_up_proj, GLM's interleaved RoPE on half of each head); glm4 "
+                             "(Glm4ForCausalLM: glm + a norm after attention and after the MLP).")
+    vocab_size: int | None = Field(None, description="Embedding rows; null: the tokenizer's vocabulary size.")
+    hidden_size: int = Field(192, ge=8, description="Width of the residual stream; divisible by num_heads.")
+    num_layers: int = Field(3, ge=1, description="Decoder blocks.")
+    num_heads: int = Field(6, ge=1, description="Attention (query) heads. The head size, hidden_size / num_heads, "
+                                                "must be even (divisible by 4 for glm and glm4), and one that "
+                                                "vLLM's CPU backend serves when serving on the CPU.")
+    num_kv_heads: int = Field(2, ge=1, description="Key / value heads (grouped-query attention); divides num_heads.")
+    intermediate_size: int = Field(512, ge=8, description="Width of the MLP's hidden layer.")
+    max_seq_len: int = Field(512, ge=16, description="Longest sequence in tokens; every stage's seq_len and "
+                                                     "serve.max_model_len must fit in it.")
+    rope_theta: float = Field(10000.0, description="RoPE base frequency.")
+    rms_norm_eps: float = Field(1e-5, description="Epsilon of the RMSNorm layers.")
+    tie_embeddings: bool = Field(False, description="Share one matrix between the input embeddings and the output "
+                                                    "head.")
 
     @model_validator(mode="before")
     @classmethod
@@ -146,20 +181,27 @@ class ModelConfig(Section):
 
 
 class LoRAConfig(Section):
-    r: int = Field(16, ge=1)
-    alpha: float = 32.0
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # "all-linear": every linear projection of the model's layout; or names from LORA_TARGETS, which the
-    # model must have (checked at injection: gate_up_proj exists only in GLM layouts, gate_proj/up_proj only in others).
-    target_modules: list[str] | Literal["all-linear"] = ALL_LINEAR
-    b_lr_ratio: float = Field(1.0, gt=0)   # LoRA+: B's learning rate = this × lr (1 = plain LoRA)
-    # Trained in full beside the adapter and saved with it (PEFT's modules_to_save); "gate": a MoE model's
-    # router (GLM-4.5's mlp.gate), frozen unless named here.
-    modules_to_save: list[Literal["embed_tokens", "lm_head", "gate"]] = []
-    # QLoRA: "nf4" keeps the frozen base weight of each target layer in 4 bits (bitsandbytes' NF4 with
-    # double-quantised scales, ~0.52 byte a weight instead of 2-4) and dequantises it for every use; the
-    # adapter stays in the model's dtype. Merging and export use the dequantised base. model/quant.py.
-    quantization: Literal["none", "nf4"] = "none"
+    """A LoRA adapter: its rank and scale, which projections it adapts, what else is trained in full."""
+
+    r: int = Field(16, ge=1, description="Rank of the adapter's matrices: capacity, and its size and compute.")
+    alpha: float = Field(32.0, description="Scale: the adapter's update is multiplied by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        ALL_LINEAR, description="The projections adapted: all-linear (every linear projection of the model's layout, "
+                                "not the output head), or a list of names: " + ", ".join(LORA_TARGETS) + ". The "
+                                "model must have them (gate_up_proj exists only in the GLM layouts, gate_proj and "
+                                "up_proj only in the others; shared_experts.* and experts.* only in mixture-of-"
+                                "experts models): checked when the adapter is added.")
+    b_lr_ratio: float = Field(1.0, gt=0, description="LoRA+: the B matrices' learning rate is this × lr; 1: plain "
+                                                     "LoRA.")
+    modules_to_save: list[Literal["embed_tokens", "lm_head", "gate"]] = Field(
+        [], description="Modules trained in full beside the adapter and saved with it (PEFT's modules_to_save). "
+                        "gate: a mixture-of-experts model's router, frozen unless named here. Only in sft.")
+    quantization: Literal["none", "nf4"] = Field(
+        "none", description="QLoRA: nf4 keeps the frozen base weight of each adapted layer in 4 bits (bitsandbytes' "
+                            "NF4 with double-quantised scales, about 0.52 byte a weight instead of 2-4) and "
+                            "dequantises it at every use; the adapter stays in the model's dtype. Merging and export "
+                            "use the dequantised base. Not with dist.strategy fsdp2.")
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -174,49 +216,65 @@ class LoRAConfig(Section):
 
 
 class TrainConfig(Section):
-    """One training stage's loop settings (the engine is shared by all stages).
+    """The keys every training stage (pretrain, sft, dpo, rl) has.
 
     A micro-batch is `batch_size` rows of `seq_len` tokens; with packing each row holds as many
     whole documents as fit, so the token budget per micro-batch is batch_size × seq_len. One optimizer
     step takes batch_size × grad_accum × world size rows (world size: `dist`, one process by default).
     """
 
-    max_steps: int = Field(100, ge=1)
-    batch_size: int = Field(8, ge=1)    # rows per micro-batch, per process
-    grad_accum: int = Field(1, ge=1)
-    # Rows per optimizer step over all processes; when set, grad_accum is derived from it:
-    # global_batch_size / (batch_size × world size), which must divide (grad_accum is then left at 1).
-    global_batch_size: int | None = Field(None, ge=1)
-    seq_len: int = Field(128, ge=8)
-    lr: float = Field(1e-3, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, ge=0)   # 0 disables clipping
-    log_every: int = Field(10, ge=1)
-    seed: int = 0
-    packing: bool = True    # several documents per row (block-diagonal attention); False = padded rows
-    prefetch: int = Field(2, ge=0)   # batches built ahead in a background thread; 0 = inline
-    nonfinite: Literal["stop", "skip"] = "stop"   # NaN/inf loss: stop the stage, or skip the batch (counted)
-    activation_checkpointing: bool = False   # recompute each decoder block in backward (less memory, more compute)
-    # torch.compile the training forward/backward (engine/compile.py): on the CPU 1.34-1.52x the steps/s of the
-    # tiny SFT step after a one-off ~24 s compile on 2 cores (cached per user: ~/.cache/glm-lora/inductor); on CUDA
-    # 1.38x the 125M pretraining step, 1.48x with "max-autotune" (inductor times its GEMM templates), not at 1B.
-    # Eager with a warning where there is no C++ compiler (CPU) and under torchrun. Same learning up to rounding.
-    # "auto": compile only a CPU stage of at least engine.compile.PAYBACK_STEPS steps (where a compile pays back).
-    compile: bool | Literal["auto", "max-autotune"] = False
-    # Replay the blocks' training forward/backward as CUDA graphs (engine/cuda_graphs.py): for a small model on a fast
-    # GPU, whose step waits on the host's kernel launches (125M LoRA SFT on an H100: 78 -> 44 ms). One process, CUDA,
-    # no gradient accumulation or activation checkpointing; eager with a warning elsewhere. Not with compile true.
-    cuda_graphs: bool = False
-    # Validation loss on the stage's held-out split every eval_every steps (0 = off). When on, the
-    # weights with the best validation loss (not the last) are what the stage saves.
-    eval_every: int = Field(0, ge=0)
-    patience: int = Field(0, ge=0)        # stop after this many validations without improvement; 0 = never
-    min_delta: float = Field(0.0, ge=0)   # an improvement must lower the validation loss by more than this
-    # Mixture-of-experts models: weight of DeepSeek-V3's load-balance loss added to the stage's loss; 0 = off
-    # (the default: under LoRA the router is frozen). Router health is reported either way (engine/router_stats.py).
-    router_aux_loss: float = Field(0.0, ge=0)
+    max_steps: int = Field(100, ge=1, description="Optimizer steps the stage takes (fewer if it stops early: "
+                                                  "patience). Raising it later resumes from the stage's checkpoint.")
+    batch_size: int = Field(8, ge=1, description="Rows per micro-batch, per process.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches whose gradients add up to one optimizer step. Leave "
+                                                 "it at 1 when global_batch_size is set.")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Rows per optimizer step over all processes; when set, grad_accum is derived: "
+                                "global_batch_size / (batch_size × world size), which must divide. null: use "
+                                "grad_accum.")
+    seq_len: int = Field(128, ge=8, description="Tokens per row; at most model.max_seq_len (or the base model's "
+                                                "limit).")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW), reached after warmup_steps and then "
+                                              "decayed along a cosine to min_lr_ratio × lr at max_steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Where the cosine decay ends, as a fraction of lr; 0: "
+                                                             "down to 0.")
+    warmup_steps: int = Field(10, ge=0, description="Steps of linear warmup up to lr.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay, on weight matrices only.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the gradients' global norm to this; 0 disables clipping.")
+    log_every: int = Field(10, ge=1, description="Log the loss, throughput and learning rate every this many steps "
+                                                 "(and at the last).")
+    seed: int = Field(0, description="Seed of the stage's randomness: initialisation, data order, dropout.")
+    packing: bool = Field(True, description="Several documents per row (attention stays within each document); "
+                                            "false: one document per row, padded.")
+    prefetch: int = Field(2, ge=0, description="Batches built ahead in a background thread; 0: built inline.")
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A NaN or infinite loss: stop fails the stage; skip skips the batch and counts it (more "
+                            "than 100 skipped fail the stage).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder block's activations in the backward pass: less memory, more "
+                           "compute.")
+    compile: bool | Literal["auto", "max-autotune"] = Field(
+        False, description="torch.compile the training forward and backward: faster steps after a one-off compile "
+                           "(cached per user in ~/.cache/glm-lora/inductor), the same learning up to rounding. "
+                           "max-autotune: inductor also times its GEMM templates (CUDA; a longer compile). auto: "
+                           "compile only a CPU stage long enough for the compile to pay back (PAYBACK_STEPS in "
+                           "engine/compile.py), eager on CUDA. Eager with a warning where there is no C++ compiler "
+                           "(CPU) and under torchrun.")
+    cuda_graphs: bool = Field(
+        False, description="Replay the decoder blocks' training forward and backward as CUDA graphs: for a small "
+                           "model on a fast GPU, whose step waits on the host launching kernels. One process, CUDA, "
+                           "no gradient accumulation or activation checkpointing; eager with a warning elsewhere. "
+                           "Not with compile true or max-autotune.")
+    eval_every: int = Field(
+        0, ge=0, description="Validation loss on the stage's held-out split every this many steps; 0: off. When on, "
+                             "the stage saves the weights with the best validation loss, not the last.")
+    patience: int = Field(0, ge=0, description="Stop after this many validations without improvement; 0: never.")
+    min_delta: float = Field(0.0, ge=0, description="An improvement must lower the validation loss by more than "
+                                                    "this.")
+    router_aux_loss: float = Field(
+        0.0, ge=0, description="Mixture-of-experts models: weight of the load-balance loss (DeepSeek-V3's) added to "
+                               "the stage's loss; 0: off, as under LoRA the router is frozen. Router health is "
+                               "reported either way.")
 
     @model_validator(mode="after")
     def _one_graph_maker(self):
@@ -227,27 +285,38 @@ class TrainConfig(Section):
 
 
 class SFTConfig(TrainConfig):
-    lora: LoRAConfig = LoRAConfig()
+    """A LoRA adapter on the pretrained (or base) model, trained on the assistants' answers of data.sft."""
+
+    lora: LoRAConfig = Field(LoRAConfig(), description="The SFT adapter.")
 
 
 class DPOConfig(TrainConfig):
-    """The preference stage: a fresh LoRA on the SFT model, trained with `loss` (engine/losses.py)."""
+    """A fresh LoRA adapter on the SFT model, trained with `loss` on the preference rows of data.dpo."""
 
-    lora: LoRAConfig = LoRAConfig()
-    # dpo: DPO's sigmoid loss; ipo: IPO's squared loss; simpo, orpo: reference-free (no reference forward: the
-    # stage runs one forward per step instead of two); kto: KTO on unpaired rows, each answer labelled desirable or
-    # not ({"prompt" or "messages", "completion", "label": true/false} in data.dpo; pairs there are unpaired).
-    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = "dpo"
-    beta: float = Field(0.1, gt=0)        # β of every loss but ORPO (SimPO's paper uses 2–2.5, KTO's 0.1)
-    nll_weight: float = Field(1.0, ge=0)   # chosen-answer NLL term; 0 = pure DPO (see NOTES: pure DPO wrecked generation).
-    #                                        ORPO has its own (its L_SFT, weight 1) and ignores this
-    simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin γ
-    orpo_lambda: float = Field(0.1, gt=0)  # ORPO's λ: weight of the odds-ratio term beside the chosen NLL
-    kto_desirable_weight: float = Field(1.0, gt=0)     # KTO's λ_D and λ_U: weigh them so that λ_D·n_D ≈ λ_U·n_U
-    kto_undesirable_weight: float = Field(1.0, gt=0)   # (to 4/3 of it, the paper says)
-    # Packed rows place a pair's common prompt once, both answers attending to it: the same log-probs from fewer
-    # tokens, so more pairs fit a batch's rows (data/packing.py). Off: each answer repeats its prompt.
-    share_prompt: bool = True
+    lora: LoRAConfig = Field(LoRAConfig(), description="The preference adapter; modules_to_save must stay empty (the "
+                                                       "reference model is the same weights with the adapter off).")
+    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
+        "dpo", description="dpo: DPO's sigmoid loss; ipo: IPO's squared loss; simpo, orpo: reference-free (one "
+                           "forward per step instead of two); kto: KTO on unpaired rows, each answer labelled "
+                           'desirable or not (`{"prompt" or "messages", "completion", "label": true/false}` in '
+                           "data.dpo; pairs there count as two unpaired rows).")
+    beta: float = Field(0.1, gt=0, description="β of every loss but ORPO, the scale of the implicit reward (DPO, "
+                                               "IPO, KTO: higher keeps the model closer to the reference). SimPO's "
+                                               "paper uses 2-2.5, KTO's 0.1.")
+    nll_weight: float = Field(1.0, ge=0, description="Weight of the chosen answer's NLL term beside the preference "
+                                                     "loss; 0: pure preference loss, which can wreck generation. "
+                                                     "ORPO has its own (weight 1) and ignores this.")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin γ.")
+    orpo_lambda: float = Field(0.1, gt=0, description="ORPO's λ: weight of the odds-ratio term beside the chosen "
+                                                      "answer's NLL.")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO's λ_D, the desirable answers' weight: choose "
+                                                               "λ_D and λ_U so that λ_D·n_D is about λ_U·n_U (up to "
+                                                               "4/3 of it, the paper says).")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO's λ_U, the undesirable answers' weight (see "
+                                                                 "kto_desirable_weight).")
+    share_prompt: bool = Field(True, description="Packed rows place a pair's common prompt once, both answers "
+                                                 "attending to it: the same log-probs from fewer tokens, so more "
+                                                 "pairs fit a batch. false: each answer repeats its prompt.")
 
     @model_validator(mode="after")
     def _reference_stays_frozen(self):
@@ -258,8 +327,8 @@ class DPOConfig(TrainConfig):
 
 
 class RLConfig(TrainConfig):
-    """The optional online RL stage `rl` (GRPO, engine/rl.py): a fresh LoRA on the DPO model (the SFT model with
-    dpo off), trained on its own sampled answers to the SFT prompts, scored by reward functions.
+    """A fresh LoRA adapter on the DPO model, trained on its own sampled answers to the SFT prompts, scored by
+    reward functions.
 
     Each optimizer step draws `batch_size` prompts, samples `group_size` answers to each (temperature sampling with
     a KV cache, seeded by step: a resumed stage draws the same answers), scores them with `rewards` and normalises
@@ -267,31 +336,39 @@ class RLConfig(TrainConfig):
     with one update per rollout (the ratio is 1, so the step is the policy gradient with those advantages), plus
     `kl_beta` times the k3 estimate of KL to the reference (the same weights with this adapter off)."""
 
-    enabled: bool = False                 # off in the tiny default; on: the DAG runs it after dpo and exports it
-    lora: LoRAConfig = LoRAConfig()
-    group_size: int = Field(8, ge=2)      # answers sampled per prompt (G)
-    max_new_tokens: int = Field(24, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    # Reward functions, summed: built-ins (engine/rewards.py: exact_match, format) or "package.module:function",
-    # called as fn(completion, reference=..., prompt=..., task=..., finished=...) -> float.
-    rewards: list[str] = Field(["exact_match"], min_length=1)
-    families: list[str] = []              # sample prompts of these task families only ("task" field); [] = all
-    # The prompts to sample answers to: a JSONL file in any SFT format (chat / ShareGPT / Alpaca rows), the last
-    # assistant message of each row the reference the rewards see, an optional "task" field; null = the SFT split.
-    prompts: Path | None = None
-    clip_epsilon: float = Field(0.2, gt=0, lt=1)
-    kl_beta: float = Field(0.0, ge=0)     # 0: no KL term and no reference forward (DAPO, Dr. GRPO drop it too)
-    # grpo: each answer's mean token loss, averaged over answers (the paper); token: every answer token weighs the
-    # same over the whole batch (DAPO's token-level loss: long answers are not under-weighted).
-    loss_type: Literal["grpo", "token"] = "grpo"
-    # Train each rollout's batch_size × group_size answers in this many equal micro-batches, gradients accumulated:
-    # the same update with 1/train_chunks of the training activations (sampling stays one batch, which is what
-    # keeps it fast). Memory, not speed: with activation_checkpointing it is what brings the stage's peak down.
-    train_chunks: int = Field(1, ge=1)
-    # Who samples the answers: ours (engine/evaluate.sample_decode, in the training process) or vllm (a vLLM server
-    # beside the trainer, the adapter loaded into it after every update: engine/vllm_rollouts.py; one process only).
-    sampler: Literal["ours", "vllm"] = "ours"
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)   # vLLM's share of the GPU it shares with training
+    enabled: bool = Field(False, description="Run the stage: after dpo, and export its model as the final one.")
+    lora: LoRAConfig = Field(LoRAConfig(), description="The RL adapter; modules_to_save must stay empty (the KL "
+                                                       "reference is the same weights with the adapter off).")
+    group_size: int = Field(8, ge=2, description="Answers sampled per prompt (GRPO's G).")
+    max_new_tokens: int = Field(24, ge=1, description="Longest sampled answer, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    rewards: list[str] = Field(
+        ["exact_match"], min_length=1,
+        description="Reward functions, summed: built-ins (exact_match, format) or `package.module:function`, called "
+                    "as `fn(completion, reference=..., prompt=..., task=..., finished=...) -> float`.")
+    families: list[str] = Field([], description='Sample only prompts of these task families (the rows\' "task" '
+                                                "field); []: all.")
+    prompts: Path | None = Field(
+        None, description="The prompts to sample answers to: a JSONL file in any SFT format, the last assistant "
+                          'message of each row the reference the rewards see, an optional "task" field. null: the '
+                          "SFT split.")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="GRPO's clip range ε of the probability ratio.")
+    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL term to the reference; 0: no KL term and no "
+                                                  "reference forward (as DAPO and Dr. GRPO).")
+    loss_type: Literal["grpo", "token"] = Field(
+        "grpo", description="grpo: each answer's mean token loss, averaged over answers (the paper); token: every "
+                            "answer token weighs the same over the whole batch (DAPO's token-level loss: long "
+                            "answers are not under-weighted).")
+    train_chunks: int = Field(
+        1, ge=1, description="Train each rollout's batch_size × group_size answers in this many equal micro-batches, "
+                             "gradients accumulated: the same update with 1/train_chunks of the training "
+                             "activations (sampling stays one batch). A memory setting, not a speed one: with "
+                             "activation_checkpointing it is what lowers the stage's peak memory.")
+    sampler: Literal["ours", "vllm"] = Field(
+        "ours", description="Who samples the answers: ours (in the training process) or vllm (a vLLM server beside "
+                            "the trainer, the adapter loaded into it after every update; one process only).")
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1, description="sampler vllm: vLLM's share of the GPU "
+                                                                            "it shares with training.")
 
     @model_validator(mode="after")
     def _online(self):
@@ -308,37 +385,40 @@ class RLConfig(TrainConfig):
 
 
 class CheckpointConfig(Section):
-    """Training checkpoints under runs/<run>/checkpoints/<stage>-<config hash>/ (see engine/checkpoint.py)."""
-
-    save_every: int = Field(100, ge=0)             # weights + RNG + data position; 0 = only on SIGTERM/SIGINT
-    save_optimizer_every: int = Field(100, ge=1)   # optimizer state too (exact resume needs it)
-    keep_last: int = Field(2, ge=1)
-    async_save: bool = True                        # compress + write in a background thread
-    resume: Literal["auto", "never"] = "auto"      # auto: continue from the newest verified checkpoint
+    save_every: int = Field(100, ge=0, description="Save the weights, RNG state and data position every this many "
+                                                   "steps; 0: only on SIGTERM / SIGINT.")
+    save_optimizer_every: int = Field(100, ge=1, description="Save the optimizer state too every this many steps "
+                                                             "(and on a stop signal): an exact resume needs it.")
+    keep_last: int = Field(2, ge=1, description="Newest complete checkpoints kept per stage (plus the newest with "
+                                                "optimizer state).")
+    async_save: bool = Field(True, description="Compress and write checkpoints in a background thread.")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: a stage continues from its newest verified "
+                                                                 "checkpoint; never: it starts over.")
 
 
 class ExportConfig(Section):
-    """What the export writes besides the Hugging Face + PEFT directories."""
-
-    # GGUF files of the final model for llama.cpp / Ollama / LM Studio (stage `gguf`, export/gguf.py): any of
-    # f32, f16, bf16, q8_0 (written by gguf) and q4_0, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer); [] = none
-    gguf: list[str] = []
+    gguf: list[str] = Field(
+        [], description="GGUF files of the final model, for llama.cpp, Ollama or LM Studio (stage gguf): any of "
+                        "f32, f16, bf16, q8_0 (written by the gguf package) and q4_0, q4_k_m, q5_k_m, q6_k "
+                        "(llama.cpp's quantizer, from the llama extra); []: none.")
 
 
 class HarnessConfig(Section):
-    """Standard benchmarks: lm-evaluation-harness (`lm_eval`, the `harness` extra) on the exported model, in the
-    stage `harness` after export (engine/harness.py). Nothing is downloaded: tasks come from the shipped folder
-    (engine/harness_tasks: glm_lora_arithmetic, glm_lora_strings, over the run's held-out synthetic rows), from
-    `include_path`, or from lm_eval's own tasks whose datasets are already in the local Hugging Face cache."""
+    """lm-evaluation-harness (`lm_eval`, the `harness` extra) runs on the exported model in the stage `harness`,
+    after export. Nothing is downloaded: tasks come from the shipped folder (glm_lora_arithmetic,
+    glm_lora_strings, over the run's held-out synthetic rows), from `include_path`, or from lm_eval's own tasks
+    whose datasets are already in the local Hugging Face cache."""
 
-    tasks: list[str] = []                 # task, group or tag names; [] = no harness stage
-    include_path: list[Path] = []         # your task folders (YAML + data files), as lm_eval's --include_path
-    limit: int | None = Field(None, ge=1)            # samples per task (None: all)
-    num_fewshot: int | None = Field(None, ge=0)      # None: each task's own
-    batch_size: int = Field(8, ge=1)
-    chat_template: bool = True            # prompts through the model's chat template (our exports are chat models)
-    # Score export/base too: serve.gate.harness compares with it where the served model has no score (first promotion)
-    base: bool = True
+    tasks: list[str] = Field([], description="Task, group or tag names; []: no harness stage.")
+    include_path: list[Path] = Field([], description="Your task folders (YAML and data files), as lm_eval's "
+                                                     "--include_path.")
+    limit: int | None = Field(None, ge=1, description="Samples per task; null: all.")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per prompt; null: each task's own.")
+    batch_size: int = Field(8, ge=1, description="Requests evaluated together.")
+    chat_template: bool = Field(True, description="Send prompts through the model's chat template (the exports are "
+                                                  "chat models).")
+    base: bool = Field(True, description="Score export/base too: serve.gate.harness compares with it where the "
+                                         "served model has no score (the first promotion).")
 
     @field_validator("tasks")
     @classmethod
@@ -349,58 +429,72 @@ class HarnessConfig(Section):
 
 
 class EvalConfig(Section):
-    """Held-out evaluation after each training stage (engine/evaluate.py), on the *_eval splits."""
-
-    enabled: bool = True
-    max_rows: int = Field(200, ge=1)        # rows per eval split
-    max_new_tokens: int = Field(24, ge=1)   # greedy answer length for exact match
-    compare_prompts: list[str] = COMPARE_PROMPTS   # answered by the pretrain, SFT and DPO models side by side
-    harness: HarnessConfig = HarnessConfig()
+    enabled: bool = Field(True, description="Evaluate each trained model on the held-out splits (loss, exact match "
+                                            "and more).")
+    max_rows: int = Field(200, ge=1, description="Rows evaluated per held-out split.")
+    max_new_tokens: int = Field(24, ge=1, description="Longest greedy answer, in tokens, for exact match.")
+    compare_prompts: list[str] = Field(COMPARE_PROMPTS, description="Prompts answered by the pretrained, SFT and DPO "
+                                                                    "models side by side in the run's report.")
+    harness: HarnessConfig = Field(HarnessConfig(), description="Standard benchmarks with lm-evaluation-harness.")
 
 
 class GateConfig(Section):
-    """Promotion gate before serving: metric names are <stage>.<metric> (e.g. sft.exact_match)."""
+    """Metric names are `<stage>.<metric>`, e.g. sft.exact_match."""
 
-    min: dict[str, float] = {}                              # thresholds (maximum for loss-like metrics)
-    no_regression: list[str] = ["dpo.exact_match", "dpo.implicit_reward_accuracy"]   # vs the served model
-    tolerance: float = Field(0.0, ge=0)
-    # lm-evaluation-harness task (from eval.harness.tasks) → min_delta: the candidate's score must be ≥ the served
-    # model's + min_delta (negative: that much loss is allowed); where the served model has none, export/base's
-    harness: dict[str, float] = {}
+    min: dict[str, float] = Field({}, description="Metric → threshold the candidate must reach (a maximum for "
+                                                  "loss-like metrics: loss, perplexity, ...). A missing metric "
+                                                  "fails the gate.")
+    no_regression: list[str] = Field(["dpo.exact_match", "dpo.implicit_reward_accuracy"],
+                                     description="Metrics that must not fall below the served model's (within "
+                                                 "tolerance).")
+    tolerance: float = Field(0.0, ge=0, description="How far a no_regression metric may fall behind the served "
+                                                    "model's, in the metric's units.")
+    harness: dict[str, float] = Field(
+        {}, description="lm-evaluation-harness task (from eval.harness.tasks) → min_delta: the candidate's score must "
+                        "be at least the served model's + min_delta (negative: that much loss is allowed); where the "
+                        "served model has no score, export/base's.")
 
 
 class ServeConfig(Section):
-    """The served endpoint (serve/deploy.py): nginx on host:port in front of the live vLLM server; a new
-    export is started beside it on a free loopback port, tested, then switched to (README "Serving")."""
+    """The endpoint: nginx on host:port in front of the live vLLM server. A new export is started beside it on
+    a free loopback port, tested, then switched to (blue/green)."""
 
-    enabled: bool = True
-    # Where the stable endpoint listens (the vLLM servers behind it always listen on 127.0.0.1 only).
-    # An address other than loopback needs an API key.
-    host: str = "127.0.0.1"
-    port: int = Field(8765, ge=1024, le=65535)
-    keep_running: bool = True            # false: start, test and stop the candidate; the endpoint is untouched
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_model_len: int = Field(512, ge=16)
-    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)     # vLLM's KV cache on the CPU build
-    startup_timeout_s: int = Field(300, ge=10)
-    prompt: str = DEMO_PROMPT            # the smoke test's question: greedy parity with our own decoder
-    max_tokens: int = Field(32, ge=1)
-    # Serve the SFT model and the DPO adapter under their own names beside the final model, on one server
-    # (<run>, <run>-sft, <run>-dpo); false: only the merged final model (no LoRA work per token).
-    adapters: bool = True
-    drain_timeout_s: int = Field(120, ge=1)   # a switch waits this long for the old server's requests
-    keep_exports: int = Field(3, ge=1)        # earlier served exports kept in serving/exports/ for rollback
-    # CUDA build of vLLM only (refused on the CPU build): GPUs per server; its share of each GPU's memory
-    # (unset: 0.45, so the candidate fits beside the live server during a promotion).
-    tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    max_num_seqs: int | None = Field(None, ge=1)   # concurrent sequences per server (unset: vLLM's default)
-    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 512] | None = None   # unset: the smallest that fits
-    gate: GateConfig = GateConfig()
-    # The endpoint's API key, by name only (its value never enters configs, manifests or logs): an
-    # environment variable, or a Prefect Secret block. Unset: no key (README "Security").
-    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    api_key_secret: str | None = None
+    enabled: bool = Field(True, description="Run the serve stage: test the export on vLLM and put it on the "
+                                            "endpoint.")
+    host: str = Field("127.0.0.1", description="IP address the endpoint listens on (the vLLM servers behind it "
+                                               "always listen on 127.0.0.1 only); 0.0.0.0: every interface. An "
+                                               "address other than loopback needs an API key (api_key_env or "
+                                               "api_key_secret).")
+    port: int = Field(8765, ge=1024, le=65535, description="Port of the endpoint.")
+    keep_running: bool = Field(True, description="false: start, test and stop the candidate, leaving the endpoint "
+                                                 "untouched.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The served weights' dtype.")
+    max_model_len: int = Field(512, ge=16, description="Longest prompt + answer, in tokens, the server accepts.")
+    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20, description="vLLM's KV cache on its CPU build, in bytes.")
+    startup_timeout_s: int = Field(300, ge=10, description="Seconds a vLLM server may take to start.")
+    prompt: str = Field(DEMO_PROMPT, description="The smoke test's question: the served answer must equal our own "
+                                                 "greedy decoder's.")
+    max_tokens: int = Field(32, ge=1, description="Longest smoke-test answer, in tokens.")
+    adapters: bool = Field(True, description="Serve the SFT model and the DPO adapter under their own names beside "
+                                             "the final model, on one server (`<run>`, `<run>-sft`, `<run>-dpo`); false: "
+                                             "only the merged final model (no LoRA work per token).")
+    drain_timeout_s: int = Field(120, ge=1, description="Seconds a switch waits for the old server's requests to "
+                                                        "finish.")
+    keep_exports: int = Field(3, ge=1, description="Earlier served exports kept in serving/exports/ for rollback.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM server (CUDA build of vLLM only).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Each vLLM server's share of each GPU's memory (CUDA build only); null: 0.45, "
+                                      "so that a candidate fits beside the live server during a promotion.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences per server; null: vLLM's default.")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 512] | None = Field(
+        None, description="Largest adapter rank the server accepts; null: the smallest that fits the adapters.")
+    gate: GateConfig = Field(GateConfig(), description="The promotion gate a candidate must pass to be served.")
+    api_key_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of the environment variable holding the endpoint's API key (the key itself never enters "
+                    "configs, manifests or logs). null (and no api_key_secret): no key.")
+    api_key_secret: str | None = Field(None, description="Name of a Prefect Secret block holding the endpoint's API "
+                                                         "key; instead of api_key_env.")
 
     @field_validator("host")
     @classmethod
@@ -423,17 +517,21 @@ class ServeConfig(Section):
 
 
 class DistConfig(Section):
-    """Processes per training stage, started by torchrun (engine/dist.py, README "More than one GPU").
+    """World size = nproc_per_node × nnodes; with one process (the default) a stage runs in-process."""
 
-    World size = nproc_per_node × nnodes; with one process (the default) a stage runs in-process as always.
-    """
-
-    nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = 1   # auto: the visible CUDA GPUs (1 on CPU)
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)                # this machine's place among the nnodes
-    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^\S+:\d{1,5}$")   # host:port of node 0 (multi-node)
-    strategy: Literal["auto", "ddp", "fsdp2"] = "auto"   # auto: fsdp2 for pretraining, ddp for the LoRA stages
-    launcher: Literal["auto", "torchrun"] = "auto"   # auto: torchrun when world size > 1; torchrun: always
+    nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        1, description="Processes per machine; auto: one per visible CUDA GPU (1 on CPU).")
+    nnodes: int = Field(1, ge=1, description="Machines taking part. More than one needs runs_dir on a shared "
+                                             "filesystem.")
+    node_rank: int = Field(0, ge=0, description="This machine's place among the nnodes, from 0.")
+    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^\S+:\d{1,5}$",
+                               description="host:port of node 0, where the processes meet (several machines).")
+    strategy: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto", description="ddp: every process holds the whole model and gradients are all-reduced; fsdp2: "
+                            "parameters, gradients and optimizer state sharded over the processes. auto: fsdp2 for "
+                            "pretraining, ddp for the LoRA stages.")
+    launcher: Literal["auto", "torchrun"] = Field("auto", description="auto: torchrun when the world size is above "
+                                                                      "1; torchrun: always.")
 
     @model_validator(mode="after")
     def _node_rank_in_range(self):
@@ -443,21 +541,26 @@ class DistConfig(Section):
 
 
 class TrackingConfig(Section):
-    """Experiment tracking (tasks/tracking.py, README "Experiment tracking"), off by default. `mlflow`: each flow run
-    is one MLflow run (the config as params, every stage's metrics by step, its reports and model cards, the Prefect
-    flow-run id) and an export that passes the serve stage is registered in MLflow's model registry. No stage's cache
-    key holds it. `tracking: mlflow` is short for `tracking: {backend: mlflow}`."""
+    """`mlflow` (the `tracking` extra): each flow run is one MLflow run (the config as params, every stage's metrics
+    by step, its reports and model cards, the Prefect flow-run id) and an export that passes the serve stage is
+    registered in MLflow's model registry. No stage's cache key holds it. `tracking: mlflow` is short for
+    `tracking: {backend: mlflow}`."""
 
-    backend: Literal["none", "mlflow"] = "none"
-    # Any URI MLflow takes: a server's URL (http://127.0.0.1:5000), a database (sqlite:///abs/path.db). Unset: the
-    # local store sqlite:///<runs_dir>/mlflow.db, its artifacts in <runs_dir>/mlartifacts/.
-    tracking_uri: str | None = Field(None, min_length=1)
-    experiment_name: str | None = Field(None, min_length=1)         # unset: run_name
-    # unset: run_name; no quotes (the name goes into a registry search)
-    registered_model_name: str | None = Field(None, pattern=r"^[^'\"\\]+$")
-    # Register the served export's final model (merged/): its files are uploaded as the run's `model` artifact, a copy
-    # the size of the weights (once per export digest); false: metrics and reports only.
-    register_model: bool = True
+    backend: Literal["none", "mlflow"] = Field("none", description="none: no tracking; mlflow: MLflow.")
+    tracking_uri: str | None = Field(
+        None, min_length=1,
+        description="Any URI MLflow takes: a server's URL (http://127.0.0.1:5000), a database (sqlite:///abs/path.db). "
+                    "No password in it: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                    "MLFLOW_TRACKING_TOKEN) in the environment. null: the local store "
+                    "`sqlite:///<runs_dir>/mlflow.db`, its artifacts in `<runs_dir>/mlartifacts/`.")
+    experiment_name: str | None = Field(None, min_length=1, description="MLflow experiment; null: run_name.")
+    registered_model_name: str | None = Field(None, pattern=r"^[^'\"\\]+$",
+                                              description="Name in MLflow's model registry, without quotes or "
+                                                          "backslashes; null: run_name.")
+    register_model: bool = Field(
+        True, description="Register the served export's final (merged) model: its files are uploaded as the run's "
+                          "`model` artifact, a copy the size of the weights (once per export); false: metrics and "
+                          "reports only.")
 
     @model_validator(mode="before")
     @classmethod
@@ -493,27 +596,58 @@ def derived_grad_accum(tc: TrainConfig, key: str, world_size: int) -> int:
 
 
 class Config(Section):
-    run_name: str = "tiny"             # names the directory runs_dir/run_name
-    runs_dir: Path = Path("runs")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"   # auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32
-    kernels: Literal["auto", "reference", "triton"] = "auto"       # fused Triton ops or torch: kernels/__init__.py
-    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"            # packed-row attention: kernels/__init__.py
-    threads: int | None = None                                       # torch CPU threads; None = torch default
-    base_model: Path | None = None    # local HF dir (Llama, Qwen2/3, GLM, GLM-4 layouts): skip tokenizer + pretrain
-    data: DataConfig = DataConfig()
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    model: ModelConfig = ModelConfig()
-    pretrain: TrainConfig = TrainConfig()
-    sft: SFTConfig = SFTConfig()
-    dpo: DPOConfig = DPOConfig(lr=5e-5)
-    rl: RLConfig = RLConfig(lr=2e-4, batch_size=8, prefetch=0)
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    eval: EvalConfig = EvalConfig()
-    export: ExportConfig = ExportConfig()
-    serve: ServeConfig = ServeConfig()
-    dist: DistConfig = DistConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    """A glm-lora config: the run's name and directory, where and how it computes, then one section per part of
+    the pipeline."""
+
+    run_name: str = Field("tiny", description="Names the run's directory, runs_dir/run_name (its stages' outputs, "
+                                              "checkpoints and served exports): letters, digits, '.', '_' and '-', "
+                                              "starting with a letter or digit, at most 100.")
+    runs_dir: Path = Field(Path("runs"), description="Where run directories live; a relative path is taken from the "
+                                                     "working directory.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where training runs; auto: CUDA when a GPU "
+                                                                       "is visible, else the CPU.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Training precision (bf16 and fp16 by autocast); auto: bf16 on CUDA and on CPUs with AMX "
+                            "or AVX512-BF16, else fp32.")
+    kernels: Literal["auto", "reference", "triton"] = Field(
+        "auto", description="Fused Triton ops or the plain torch ops: auto takes the Triton op on CUDA wherever it "
+                            "measured faster, torch elsewhere (CPU); reference: torch everywhere; triton: every "
+                            "Triton op.")
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
+        "auto", description="Attention over packed rows: sdpa (a dense document mask), flex (FlexAttention: other "
+                            "documents' blocks skipped), varlen (FlashAttention's variable-length kernels; bf16 / "
+                            "fp16). auto: sdpa on the CPU, flex or sdpa per model on CUDA, whichever measured "
+                            "faster.")
+    threads: int | None = Field(None, description="torch's CPU threads; null: torch's default.")
+    base_model: Path | None = Field(
+        None, description="A local Hugging Face model directory (Llama, Qwen2, Qwen3, GLM, GLM-4 or GLM-4.5 "
+                          "mixture-of-experts layouts) to fine-tune instead of pretraining: the tokenizer and "
+                          "pretrain stages are skipped, and tokenizer, model and pretrain are not used.")
+    data: DataConfig = Field(DataConfig(), description="Training and evaluation data, and how rows are cleaned.")
+    tokenizer: TokenizerConfig = Field(TokenizerConfig(), description="The tokenizer trained on the pretraining "
+                                                                      "corpus (not used with base_model, which "
+                                                                      "brings its own).")
+    model: ModelConfig = Field(ModelConfig(), description="The decoder pretrained from scratch: its layout (`arch`) "
+                                                          "and shape, which map onto the transformers class of that "
+                                                          "layout. Not used with base_model.")
+    pretrain: TrainConfig = Field(TrainConfig(), description="The pretraining stage (from scratch; skipped with "
+                                                             "base_model).")
+    sft: SFTConfig = Field(SFTConfig(), description="The supervised fine-tuning stage.")
+    dpo: DPOConfig = Field(DPOConfig(lr=5e-5), description="The preference stage: DPO, IPO, SimPO, ORPO or KTO.")
+    rl: RLConfig = Field(RLConfig(lr=2e-4, batch_size=8, prefetch=0), description="The optional online RL stage "
+                                                                                  "(GRPO), off by default.")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Training checkpoints, under "
+                                                                         "`runs_dir/run_name/checkpoints/`, and "
+                                                                         "resuming from them.")
+    eval: EvalConfig = Field(EvalConfig(), description="Evaluation after each training stage, on the held-out "
+                                                       "splits.")
+    export: ExportConfig = Field(ExportConfig(), description="What the export writes besides the Hugging Face and "
+                                                             "PEFT directories.")
+    serve: ServeConfig = Field(ServeConfig(), description="Serving the exported model with vLLM.")
+    dist: DistConfig = Field(DistConfig(), description="Several processes (GPUs, machines) per training stage, "
+                                                       "started by torchrun.")
+    tracking: TrackingConfig = Field(TrackingConfig(), description="Experiment tracking with MLflow, off by "
+                                                                   "default.")
 
     @model_validator(mode="after")
     def _batch_math(self):

@@ -7,7 +7,8 @@ endpoint (serve/deploy.py): `promote --export DIR` (or `--previous`) puts an exp
 blue/green path, e.g. to go back to yesterday's model. `harness --url URL --model NAME --tasks T` runs
 lm-evaluation-harness tasks against a served endpoint (evaluation/harness.py). `relocate EXPORT_DIR` points a copied
 export's adapters at the copy's own base models (they name their bases by absolute path, so PEFT's one-liners load
-them from anywhere).
+them from anywhere). `config [KEY]` prints every config key with its default, or one key's (or section's) type,
+allowed values, default and description (`config --markdown` writes docs/config.md).
 
 Overrides use dotted keys: `--set sft.max_steps=50 --set sft.lora.r=32`.
 """
@@ -63,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
         if name == "run":
             p.add_argument("--refresh", action="append", default=[], metavar="STAGE", help="rebuild this stage")
+    p = sub.add_parser("config", help="the config keys: defaults, types, allowed values, descriptions")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("key", nargs="?", help="a dotted key (sft.max_steps) or a section (sft); none: every key")
+    what.add_argument("--markdown", action="store_true", help="the whole reference as Markdown (docs/config.md)")
     p = sub.add_parser("relocate", help="a copied export: point its adapters at the copy's own base models")
     p.add_argument("export_dir", type=Path)
     p = sub.add_parser("serve", help="the served endpoint of the configured run: status | stop | promote")
@@ -129,6 +134,11 @@ def _run(args) -> int:
 
     if args.cmd == "harness":
         return _harness(args)
+    if args.cmd == "config":
+        from glm_lora.configs import reference
+        print(reference.markdown() if args.markdown else reference.describe(args.key) if args.key
+              else reference.listing(), end="")
+        return 0
     overrides = _overrides(args.set)
     cfg = load_config(args.config, overrides)
     if args.cmd == "serve":

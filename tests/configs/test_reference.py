@@ -4,7 +4,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from glm_lora.configs import load_config, reference, schema
+from glm_lora.configs import reference, schema
+from glm_lora.configs.load import load_config
 from glm_lora.configs.schema import Config
 from glm_lora.flows import cli
 

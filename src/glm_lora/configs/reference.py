@@ -16,7 +16,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from glm_lora.configs import PRESETS, ConfigError, get_dotted, load_config
+from glm_lora.configs.load import PRESETS, ConfigError, get_dotted, load_config
 from glm_lora.configs.schema import Config, Section
 
 COMMAND = "glm-lora config --markdown > docs/config.md"   # what regenerates the committed page

@@ -89,7 +89,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, eval_rows: int = 200) -> dic
             ids = holdout_ids(sources[base]["good_rows"], cfg.holdout, eval_rows, split)
             if not ids:
                 raise DataError(f"data.{base}: {user[base]} has {sources[base]['good_rows']} usable rows, too few to "
-                                f"hold out an evaluation set (data.heldout_split); give data.{split} a file of its own")
+                                f"hold out an evaluation set (data.holdout); give data.{split} a file of its own")
             generated[split] = out_dir / f"{split}.jsonl"
             rows = reader(user[base], report=CleanReport(max_examples=0), **{**read_settings, "on_bad_row": "skip"})
             write_held_out(rows, ids, base, generated[split])

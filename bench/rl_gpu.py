@@ -18,7 +18,7 @@ function on both sides; random, so advantages are non-zero).
 
 Providers:
   ours             engine/rollouts.py Rollouts.rollout (evaluation/decode.sample_decode, KV cache, the decode step
-                   replayed from a CUDA graph: evaluate.decode_graph_pays) + GRPOLoss through engine/trainer.train_step
+                   replayed from a CUDA graph: evaluation/decode.decode_graph_pays) + GRPOLoss through engine/trainer.train_step
                    (the stage's step), kernels "triton", attention "flex" (padded rows: causal SDPA either way), the
                    frozen GEMM weights in bf16 as the stage holds them on CUDA (engine/adapter_stage.py; adapter,
                    norms and the tied embedding fp32) + bf16 autocast, fused AdamW
@@ -67,6 +67,11 @@ def even_share(text: str) -> float:
     """The reward on both sides: the share of the answer's tokens ("t<id>" words) whose id is even."""
     words = text.split()
     return sum(1 for w in words if w[1:].isdigit() and int(w[1:]) % 2 == 0) / max(len(words), 1)
+
+
+def even_share_reward(completion: str, **_) -> float:
+    """even_share as the RL stage calls a reward (`rl.rewards: ["bench.rl_gpu:even_share_reward"]`)."""
+    return even_share(completion)
 
 
 def build_model_dir(shape: str, max_len: int, root: Path) -> Path:
@@ -120,10 +125,11 @@ def summarise(step_s: list[float], rollout_s: list[float], generate_s: list[floa
 # ------------------------------------------------------------------------------------------------ ours
 def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: bool = True, ckpt: bool = False,
          chunks: int = 1) -> dict:
+    from glm_lora.configs.load import load_config
     from glm_lora.kernels import ops as kernels
     from glm_lora.configs.schema import LoRAConfig, RLConfig
     from glm_lora.engine import rollouts as rollouts_mod
-    from glm_lora.evaluation import decode, metrics as evaluate
+    from glm_lora.evaluation import decode
     from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
     from glm_lora.engine.losses import GRPOLoss
     from glm_lora.engine.optim import build_optimizer
@@ -136,7 +142,7 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
     tc = RLConfig(batch_size=PROMPTS_PER_STEP, group_size=GROUP, max_new_tokens=args.completion, temperature=1.0,
                   seq_len=args.prompt + args.completion, lr=LR, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0,
                   max_steps=10_000, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA, target_modules="all-linear"),
-                  train_chunks=chunks)
+                  train_chunks=chunks, rewards=["bench.rl_gpu:even_share_reward"])
     tc = tc.model_copy(update={"grad_accum": chunks})   # as engine/fit.py sets it: each rollout arrives in `chunks` parts
     torch.manual_seed(0)
     t_load = time.perf_counter()
@@ -151,19 +157,17 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
-    # Rollouts as the stage builds it, with the bench's prompts and reward instead of an SFT split
-    ro = rollouts_mod.Rollouts.__new__(rollouts_mod.Rollouts)
-    ro.tc, ro.tok, ro.model, ro.rt = tc, tok, model, rt
-    ro.rewards = {"even_share": lambda completion, **_: even_share(completion)}
-    ro.stop = []                            # no stop token: every answer is exactly max_new_tokens long
-    ro.rows = [{"prompt": [{"role": "user", "content": f"prompt {k}"}], "reference": "", "task": "bench", "ids": p}
-               for k, p in enumerate(prompts)]
-    ro.samples, ro._epoch = [], (-1, None)
+    # Rollouts through its constructor, as the stage builds it, with the bench's prompts instead of an SFT split and
+    # no stop token (every answer exactly max_new_tokens long)
+    rows = [{"prompt": [{"role": "user", "content": f"prompt {k}"}], "reference": "", "task": "bench", "ids": p}
+            for k, p in enumerate(prompts)]
+    ro = rollouts_mod.Rollouts(load_config("tiny").model_copy(update={"rl": tc}), tok, None, model, rt,
+                               rows=rows, stop=[])
     make, _ = ro.batches("rl", tc)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rollout_s, generate_s, lengths = [], [], []
-    real_sample = evaluate.sample_decode
+    real_sample = decode.sample_decode
 
     def timed_sample(*a, **k):
         sync()
@@ -188,7 +192,7 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
 
     loss = GRPOLoss.of(tc)
     step_s = []
-    evaluate.sample_decode = timed_sample
+    decode.sample_decode = timed_sample
     try:
         with kernels.using("reference" if smoke else "triton", "sdpa" if smoke else "flex"):
             batches = timed_batches(make(None))
@@ -201,7 +205,7 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
                 if r is None:
                     raise RuntimeError("non-finite loss")
     finally:
-        evaluate.sample_decode = real_sample
+        decode.sample_decode = real_sample
     w = args.warmup
     out = summarise(step_s[w:], rollout_s[w:], generate_s[w:], PROMPTS_PER_STEP * GROUP)
     out.update(warmup_step_s=[round(x, 3) for x in step_s[:w]], load_s=load_s,
@@ -373,11 +377,7 @@ def main() -> None:
                 cmp[f"{o}_vs_{t}"] = c
     figures["compare"] = cmp
     print("compare:", json.dumps(cmp, indent=1))
-    name = "rl_gpu" + ("_smoke" if args.smoke else "")
-    if args.smoke:
-        print(json.dumps(figures, indent=1, default=str))
-        return
-    path = write_result(name, figures)
+    path = write_result("rl_gpu" + ("_smoke" if args.smoke else ""), figures)
     print("->", path)
     if out:
         shutil.copy(path, out / path.name)

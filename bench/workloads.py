@@ -2,7 +2,7 @@
 decoder, and one timing loop that frees memory between providers.
 
 Precision policy on both sides: fp32 master weights, bf16 autocast, fused AdamW (CUDA).
-`--smoke` shrinks everything (h64 L2, vocab 1000, seq 256, fp32, CPU) to check the scripts run.
+`--smoke` shrinks everything (h64 L2, vocab 1000, seq 128, fp32, CPU) to check the scripts run.
 """
 from __future__ import annotations
 
@@ -339,7 +339,7 @@ def setup(args) -> tuple[list[str], torch.device, int, int]:
     if args.smoke:
         args.steps, args.warmup = 2, 1
         torch.set_num_threads(1)    # the CPU smoke machine is shared: 2 threads contend and run ~30x slower
-        return ["smoke"], torch.device("cpu"), 1000, 256
+        return ["smoke"], torch.device("cpu"), 1000, 128
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke)")
     return args.sizes.split(","), torch.device("cuda"), 32000, 2048

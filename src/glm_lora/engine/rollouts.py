@@ -46,13 +46,17 @@ def sampling_seed(seed: int, cursor: int, rank: int) -> int:
 
 
 class Rollouts:
-    def __init__(self, cfg: Config, tok, data_dir: Path, model, rt: Runtime, sampler=None):
-        """`sampler`: engine/vllm_rollouts.VLLMSampler (rl.sampler vllm), else answers come from our own sampler."""
+    def __init__(self, cfg: Config, tok, data_dir: Path | None, model, rt: Runtime, sampler=None, *,
+                 rows: list[dict] | None = None, stop: list[int] | None = None):
+        """`sampler`: engine/vllm_rollouts.VLLMSampler (rl.sampler vllm), else answers come from our own sampler.
+        `rows` ({"prompt", "reference", "task", "ids"} each) and `stop` (the token ids an answer ends at) stand in
+        for the SFT split's prompts and the chat template's end of turn where a caller brings its own (bench/rl_gpu.py:
+        random token ids, answers of a fixed length)."""
         self.tc: RLConfig = cfg.rl
         self.tok, self.model, self.rt, self.sampler = tok, model, rt, sampler
         self.rewards = reward_fns.resolve(self.tc.rewards)
-        self.stop = end_of_turn_ids(tok)
-        self.rows = self._prompts(cfg, data_dir)
+        self.stop = end_of_turn_ids(tok) if stop is None else list(stop)
+        self.rows = self._prompts(cfg, data_dir) if rows is None else rows
         self.samples: list[dict] = []
         self._epoch: tuple[int, np.ndarray | None] = (-1, None)
 

@@ -37,7 +37,8 @@ from glm_lora.kernels import reference
 from glm_lora.configs.load import load_config
 from glm_lora.data.pipeline import StageData
 from glm_lora.data.prepare import split_path
-from glm_lora.evaluation import metrics as evaluate
+from glm_lora.data.tokenizer import end_of_turn_ids
+from glm_lora.evaluation import decode, metrics
 from glm_lora.engine.compile import compiled_training
 from glm_lora.engine.losses import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer, lr_at
@@ -141,10 +142,10 @@ def decode_ab(model, data, max_rows: int, max_new_tokens: int, repeats: int) -> 
     spec = importlib.util.spec_from_file_location("_greedy_ref", BENCH.parent / "tests/evaluation/test_decode.py")
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
-    rows = evaluate.read_task_rows(split_path(data.data_dir, "sft_eval"), limit=max_rows)
+    rows = metrics.read_task_rows(split_path(data.data_dir, "sft_eval"), limit=max_rows)
     tok = data.tok
-    ids = [evaluate._prompt_ids(tok, evaluate._split(r["conversations"], "row")[0]) for r in rows]
-    eos = evaluate.end_of_turn_ids(tok)
+    ids = [decode.prompt_ids(tok, metrics.prompt_and_answer(r["conversations"], "row")[0]) for r in rows]
+    eos = end_of_turn_ids(tok)
     torch.set_num_threads(2)
     times = {"uncached": [], "cached": []}
     model.eval()
@@ -154,7 +155,7 @@ def decode_ab(model, data, max_rows: int, max_new_tokens: int, repeats: int) -> 
             old = ref.uncached_greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=eos)
             times["uncached"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            new = evaluate.greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=eos)
+            new = decode.greedy_decode(model, ids, max_new_tokens=max_new_tokens, eos_id=eos)
             times["cached"].append(time.perf_counter() - t)
     model.train()
     med = {k: statistics.median(v) for k, v in times.items()}

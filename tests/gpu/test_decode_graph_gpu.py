@@ -7,7 +7,7 @@ import torch
 
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
-from glm_lora.evaluation import metrics as evaluate
+from glm_lora.evaluation import decode
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from tests.model.test_lora import randomise_b
@@ -39,15 +39,15 @@ def prompts(n=11, seed=0):
 def test_graphed_decoding_gives_the_eager_tokens(arch, precision):
     bf16 = precision == "bf16"
     m = model(arch, bf16_base=bf16)
-    assert evaluate.decode_graph_pays(m)
+    assert decode.decode_graph_pays(m)
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     ps = prompts()
     with kernels.using("auto", "auto"), torch.no_grad(), amp:
         def both(eos):
-            sampled = [evaluate.sample_decode(m, ps, max_new_tokens=40, eos_id=eos, temperature=1.0, batch_size=4,
+            sampled = [decode.sample_decode(m, ps, max_new_tokens=40, eos_id=eos, temperature=1.0, batch_size=4,
                                               generator=torch.Generator("cuda").manual_seed(5), cuda_graph=graph)
                        for graph in (False, True)]
-            greedy = [evaluate._decode_batch(m, ps, 40, {eos} if eos is not None else set(), lambda x: x.argmax(-1),
+            greedy = [decode._decode_batch(m, ps, 40, {eos} if eos is not None else set(), lambda x: x.argmax(-1),
                                              cuda_graph=graph) for graph in (False, True)]
             assert sampled[0] == sampled[1] and greedy[0] == greedy[1]
             return sampled[0], greedy[0]
@@ -67,7 +67,7 @@ def test_a_second_call_sees_updated_weights():
 
     def greedy(graph):
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            return evaluate._decode_batch(m, ps, 24, set(), lambda x: x.argmax(-1), cuda_graph=graph)
+            return decode._decode_batch(m, ps, 24, set(), lambda x: x.argmax(-1), cuda_graph=graph)
 
     before = greedy(True)
     with torch.no_grad():

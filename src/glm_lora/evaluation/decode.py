@@ -80,7 +80,7 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
     answer's last token. Batches are decoded with a KV cache (_decode_batch); prompts are sorted by
     length so a batch wastes little width. A prompt that would outgrow model.config.max_seq_len is decoded one token at a time
     with the context cropped as Decoder.generate crops it; so the output equals model.generate's, prompt by
-    prompt (tests/engine/test_evaluate.py; up to fp32 rounding of the cached attention, which changes no
+    prompt (tests/evaluation/test_metrics.py; up to fp32 rounding of the cached attention, which changes no
     argmax there).
     """
     stop = _stop_set(eos_id)

@@ -55,7 +55,8 @@ from glm_lora.artifacts.manifest import MANIFEST, atomic_write_text, content_dig
 from glm_lora.configs.schema import Config, LoRAConfig
 from glm_lora.data.prepare import SOURCES, TOKENIZER_FILES
 from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer
-from glm_lora.evaluation import metrics as evaluate
+from glm_lora.evaluation.decode import greedy_answers
+from glm_lora.evaluation.metrics import compare_prompts
 from glm_lora.export.model_card import write_model_card
 from glm_lora.model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX, load_policy,
                             read_adapter, served_form, vllm_unservable)
@@ -304,8 +305,8 @@ def _model_cards(cfg: Config, out_dir: Path, arch: str, evals: dict, datasets: l
 def compare_report(models: dict, tok, prompts: list[str], max_new_tokens: int) -> str:
     """The same prompts answered greedily by each model, side by side (markdown)."""
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    answers = {name: evaluate.greedy_answers(m, tok, chats, max_new_tokens=max_new_tokens) for name, m in models.items()}
-    return "### Fixed prompts: pretrain vs SFT vs DPO\n\n" + evaluate.compare_prompts(answers, prompts) + "\n"
+    answers = {name: greedy_answers(m, tok, chats, max_new_tokens=max_new_tokens) for name, m in models.items()}
+    return "### Fixed prompts: pretrain vs SFT vs DPO\n\n" + compare_prompts(answers, prompts) + "\n"
 
 
 def collect_eval(**stage_dirs: Path) -> dict:

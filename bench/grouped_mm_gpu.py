@@ -23,7 +23,11 @@ Each row: triton.testing.do_bench quantiles (p20, p50, p80, ms) of forward, back
 sweep of a few block configs of the Triton base GEMM (`sweep` rows). One JSON line per row on stdout (GPU, date,
 commit, torch/triton versions in each), all of them in --out.
 
-    python -m bench.grouped_mm_gpu --out bench/results/grouped_mm_gpu.jsonl
+--smoke: one tiny shape (64 rows over 4 experts, 64 → 64, r 8) in fp32 on the CPU, Triton in its interpreter
+(TRITON_INTERPRET=1): each provider's forward + backward once, untimed; torch._grouped_mm's providers skipped
+(CUTLASS: CUDA only).
+
+    python -m bench.grouped_mm_gpu [--out bench/results/grouped_mm_gpu.jsonl] [--smoke]
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import torch
 import triton
 import triton.testing
 
+from bench import common
 from bench.common import commit, provenance
 from glm_lora.kernels import reference
 from glm_lora.kernels import triton_grouped_mm as tgm
@@ -42,6 +47,8 @@ from glm_lora.kernels import triton_grouped_mm as tgm
 HIDDEN, INTER, RANK, SCALE, TOKENS = 2048, 1408, 16, 2.0, 16384
 SHAPES = {"64e_top8_up": (8, 64, HIDDEN, INTER), "64e_top8_down": (8, 64, INTER, HIDDEN),
           "16e_top4_up": (4, 16, HIDDEN, INTER)}           # (top-k, experts, K in, N out)
+SMOKE_TOKENS, SMOKE_RANK, SMOKE_SHAPES = 32, 8, {"smoke": (2, 4, 64, 64)}
+CUDA_ONLY = "torch_grouped_mm"      # providers named with it call torch._grouped_mm's CUTLASS kernel
 QUANTILES = [0.2, 0.5, 0.8]
 SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -50,11 +57,11 @@ SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)]
 
 
-def offsets_for(rows: int, experts: int, seed: int = 0) -> torch.Tensor:
+def offsets_for(rows: int, experts: int, device: torch.device, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     probs = torch.exp(torch.randn(experts, generator=g, dtype=torch.float64) * 0.7)
     counts = torch.bincount(torch.multinomial(probs, rows, replacement=True, generator=g), minlength=experts)
-    return counts.cumsum(0).to(torch.int32).cuda()
+    return counts.cumsum(0).to(torch.int32).to(device)
 
 
 BASE = {"dense": lambda x, w, o: x @ w.t(),                 # w: expert 0's weight alone (a 2-D leaf)
@@ -73,7 +80,11 @@ def _q(fn, leaves) -> list[float]:
 
 
 def measure(fn, args, leaves, dy) -> dict:
-    """p20/p50/p80 ms of forward, backward, full; peak MB of one full step above the memory before it."""
+    """p20/p50/p80 ms of forward, backward, full; peak MB of one full step above the memory before it.
+    On the CPU (--smoke): one forward + backward, no figures."""
+    if not dy.is_cuda:
+        torch.autograd.backward(fn(*args), dy)
+        return {}
     for _ in range(2):                                         # JIT compiles before anything is timed
         torch.autograd.backward(fn(*args), dy)
     with torch.no_grad():
@@ -91,53 +102,62 @@ def measure(fn, args, leaves, dy) -> dict:
             "peak_mem_mb": round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)}
 
 
-def bench() -> list[dict]:
-    meta = {**provenance(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "dtype": "bfloat16", "quantiles": QUANTILES}
+def bench(device: torch.device) -> list[dict]:
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32          # the interpreter's bf16 dot is wrong
+    tokens, rank, shapes = (TOKENS, RANK, SHAPES) if cuda else (SMOKE_TOKENS, SMOKE_RANK, SMOKE_SHAPES)
+    meta = {**provenance(), "gpu": torch.cuda.get_device_name() if cuda else "CPU (smoke)", "torch": torch.__version__,
+            "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch."), "quantiles": QUANTILES}
     rows = []
-    for shape, (top_k, G, k, n) in SHAPES.items():
-        M = TOKENS * top_k
-        offsets = offsets_for(M, G)
+    for shape, (top_k, G, k, n) in shapes.items():
+        M = tokens * top_k
+        offsets = offsets_for(M, G, device)
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        gen = torch.Generator("cuda").manual_seed(0)
-        rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device="cuda") * std).bfloat16()   # noqa: E731
+        gen = torch.Generator(device).manual_seed(0)
+        rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device=device) * std).to(dtype)   # noqa: E731
         x, w = rnd(M, k).requires_grad_(True), rnd(G, n, k, std=k ** -0.5).requires_grad_(True)
-        a, b = rnd(G, RANK, k, std=k ** -0.5).requires_grad_(True), rnd(G, n, RANK, std=RANK ** -0.5).requires_grad_(True)
+        a, b = rnd(G, rank, k, std=k ** -0.5).requires_grad_(True), rnd(G, n, rank, std=rank ** -0.5).requires_grad_(True)
         dy = rnd(M, n)
-        info = {**meta, "shape": shape, "rows": M, "experts": G, "k": k, "n": n, "r": RANK,
+        info = {**meta, "shape": shape, "rows": M, "experts": G, "k": k, "n": n, "r": rank,
                 "max_over_mean_rows": round(counts.max().item() / counts.float().mean().item(), 2),
                 "gemm_tflop": round(2 * M * k * n / 1e12, 3)}
         for name, fn in BASE.items():
-            row = {**info, "provider": name, "w_trains": True}
             w_ = w[0].detach().requires_grad_(True) if name == "dense" else w
-            try:
-                row.update(measure(fn, (x, w_, offsets), [x, w_], dy))
-            except Exception as e:                                           # noqa: BLE001 — record and go on
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(_provider_row({**info, "provider": name, "w_trains": True},
+                                      lambda: measure(fn, (x, w_, offsets), [x, w_], dy)))
         wf = w.detach()
         for name, fn in LORA.items():
-            row = {**info, "provider": name, "w_trains": False}
-            try:
-                row.update(measure(fn, (x, wf, a, b, offsets), [x, a, b], dy))
-            except Exception as e:                                           # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        if shape == "64e_top8_up":
+            rows.append(_provider_row({**info, "provider": name, "w_trains": False},
+                                      lambda: measure(fn, (x, wf, a, b, offsets), [x, a, b], dy)))
+        if shape in ("64e_top8_up", "smoke"):
             for cfg in SWEEP:
                 row = {**info, "provider": "sweep", "config": cfg}
                 try:
                     tgm.grouped_gemm(x, w.transpose(1, 2), offsets, config=cfg)
-                    row["fwd_ms"] = _q(lambda: tgm.grouped_gemm(x, w.transpose(1, 2), offsets, config=cfg), None)
+                    if cuda:
+                        row["fwd_ms"] = _q(lambda: tgm.grouped_gemm(x, w.transpose(1, 2), offsets, config=cfg), None)
                 except Exception as e:                                       # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del x, w, a, b, dy, wf
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return rows
+
+
+def _provider_row(row: dict, measured) -> dict:
+    """The row with measured()'s figures, or the error it raised (recorded: the other providers go on);
+    torch._grouped_mm's providers skipped on the CPU."""
+    if CUDA_ONLY in row["provider"] and row["gpu"] == "CPU (smoke)":
+        row["skipped"] = "--smoke: torch._grouped_mm's kernel is CUDA only"
+    else:
+        try:
+            row.update(measured())
+        except Exception as e:                                               # noqa: BLE001 — record and go on
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def table(rows: list[dict]) -> str:
@@ -163,10 +183,14 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="JSON-lines file for the rows (default: bench/results/grouped_mm_gpu_<date>_<commit>.jsonl)")
+    parser.add_argument("--out", help="JSON-lines file for the rows (default: bench/results/grouped_mm_gpu[_smoke]_<date>_<commit>.jsonl)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, fp32, untimed (TRITON_INTERPRET=1)")
     args = parser.parse_args()
-    rows = bench()
-    out = args.out or f"bench/results/grouped_mm_gpu_{time.strftime('%Y-%m-%d', time.gmtime())}_{commit()}.jsonl"
+    if args.smoke:
+        torch.set_num_threads(1)        # tiny shapes: extra threads only add contention on a shared CPU
+    rows = bench(torch.device("cpu" if args.smoke else "cuda"))
+    name = "grouped_mm_gpu" + ("_smoke" if args.smoke else "")
+    out = args.out or common.RESULTS / f"{name}_{time.strftime('%Y-%m-%d', time.gmtime())}_{commit()}.jsonl"
     with open(out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     print(table(rows))

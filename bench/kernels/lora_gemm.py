@@ -9,26 +9,23 @@ each the median of triton.testing.do_bench (warm-up and repetitions as its defau
     gemm     the folded GEMM at s = 0 (the epilogue still runs): the Triton GEMM vs cuBLAS itself
   dx       dx = dy W (+ s·(dy B) A): the same four
 The whole LoRA linear forward + backward (dx, dA, dB) with folding off / on: `lora_linear` rows.
+--smoke: M = 64, 64 → 64, r = 8, fp32 on the CPU, each call once (bench/kernels/timing.py).
 
-    python -m bench.kernels.lora_gemm
+    python -m bench.kernels.lora_gemm [--smoke]
 """
 from __future__ import annotations
 
 import torch
-import triton.testing
 
-from bench.kernels.rms_norm import M, measure
+from bench.kernels.timing import device_from_cli, dtype_for, measure, median_ms, ratio, rounded, rows, write
 from glm_lora.kernels import triton_lora_linear as tll
 from glm_lora.kernels.reference import scaled_mm
 from glm_lora.kernels.triton_lora_gemm import lora_gemm
 
 SHAPES = ((2048, 2048), (2048, 5632), (5632, 2048))     # (in, out)
 RANKS = (16, 64)
+SMOKE_SHAPES, SMOKE_RANKS = ((64, 64),), (8,)
 SCALE = 2.0
-
-
-def _ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
 def _cublas_lora(a, b, p, q):
@@ -36,12 +33,15 @@ def _cublas_lora(a, b, p, q):
     return y.addmm_(a, b)
 
 
-def bench() -> list[dict]:
-    rows = []
-    g = torch.Generator("cuda").manual_seed(0)
-    for k, n in SHAPES:
-        for r in RANKS:
-            rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)     # noqa: E731
+def bench(device: torch.device) -> list[dict]:
+    out = []
+    cuda = device.type == "cuda"
+    M = rows(device)
+    _ms = lambda fn: median_ms(fn, device)                                              # noqa: E731
+    g = torch.Generator(device).manual_seed(0)
+    for k, n in SHAPES if cuda else SMOKE_SHAPES:
+        for r in RANKS if cuda else SMOKE_RANKS:
+            rnd = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype_for(device))     # noqa: E731
             x, w, a, b, dy = rnd(M, k), rnd(n, k) * k ** -0.5, rnd(r, k) * k ** -0.5, rnd(n, r) * r ** -0.5, rnd(M, n)
             for form, (lhs, rhs, down, up) in {"forward": (x, w.t(), a.t(), b.t()), "dx": (dy, w, b, a)}.items():
                 p = lhs @ down                                      # x Aᵀ or dy B: computed first on both paths
@@ -51,11 +51,11 @@ def bench() -> list[dict]:
                      "gemm": _ms(lambda: lora_gemm(lhs, rhs, p, up, 0.0))}
 
                 err = (lora_gemm(lhs, rhs, p, up, SCALE).float() - _cublas_lora(lhs, rhs, p, up).float()).abs().max()
-                rows.append({"op": form, "shape": f"{M}x{k}->{n}", "r": r, **{f"{key}_ms": round(v, 4) for key, v in t.items()},
-                             "cublas_vs_base": round(t["cublas"] / t["base"], 3),
-                             "folded_vs_base": round(t["folded"] / t["base"], 3),
-                             "triton_gemm_vs_cublas_gemm": round(t["gemm"] / t["base"], 3),
-                             "max_abs_diff_vs_cublas_path": float(err)})
+                out.append({"op": form, "shape": f"{M}x{k}->{n}", "r": r, **{f"{key}_ms": rounded(v, 4) for key, v in t.items()},
+                            "cublas_vs_base": ratio(t["cublas"], t["base"]),
+                            "folded_vs_base": ratio(t["folded"], t["base"]),
+                            "triton_gemm_vs_cublas_gemm": ratio(t["gemm"], t["base"]),
+                            "max_abs_diff_vs_cublas_path": float(err)})
             lin = []
             for fold in (False, True):
                 tll.FOLD_INTO_GEMM = fold
@@ -63,17 +63,14 @@ def bench() -> list[dict]:
                 aa, bb = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
                 lin.append(measure(lambda x_, a_, b_: tll.lora_linear(x_, w, a_, b_, SCALE), [xs, aa, bb], [dy])[0])
             tll.FOLD_INTO_GEMM = False
-            rows.append({"op": "lora_linear fwd+bwd", "shape": f"{M}x{k}->{n}", "r": r, "cublas_ms": round(lin[0], 4),
-                         "folded_ms": round(lin[1], 4), "folded_vs_cublas": round(lin[1] / lin[0], 3)})
-    return rows
+            out.append({"op": "lora_linear fwd+bwd", "shape": f"{M}x{k}->{n}", "r": r, "cublas_ms": rounded(lin[0], 4),
+                        "folded_ms": rounded(lin[1], 4), "folded_vs_cublas": ratio(lin[1], lin[0])})
+    return out
 
 
 def main() -> None:
-    from bench.common import write_result
-    rows = bench()
-    for row in rows:
-        print(row)
-    print("->", write_result("kernels_lora_gemm", {"rows": rows}))
+    device = device_from_cli(__doc__)
+    write("kernels_lora_gemm", bench(device), device)
 
 
 if __name__ == "__main__":

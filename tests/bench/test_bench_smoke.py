@@ -5,10 +5,17 @@ next GPU session.
 Each case runs the bench's own `main` with its smoke flag in this process (torch, transformers and PEFT are imported
 once for all of them), with every provider whose libraries CI has. A bench records a failing provider as
 {"error": ...} and goes on with the others, so the test reads the figures the bench wrote and fails on any error.
+The kernel benches (bench/kernels/*.py, bench/grouped_mm_gpu.py) call each implementation once, untimed, in fp32 at
+64-row shapes, their Triton kernels in the interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets before
+anything imports Triton); a failing implementation raises, or is recorded as {"error": ...} by grouped_mm_gpu.
+
+Skipped inside the runs, by name:
+- providers needing liger_kernel (not in CI's virtualenv): NEEDS below;
+- torch.compile'd implementations of the kernel benches ("compile" in the name): inductor's CPU code generation
+  takes minutes, more than all of these runs together;
+- grouped_mm_gpu's torch_grouped_mm providers: torch._grouped_mm runs on CUDA only.
 
 Not run here, and why:
-- bench/sft_packing_gpu.py, bench/grouped_mm_gpu.py, bench/kernels/*.py: no CPU path yet (CUDA tensors, CUDA-event
-  timing and the GPU shapes are fixed in the code); their kernels run in the Triton interpreter in tests/kernels/.
 - bench/torchrun_overhead_gpu.py: a run is two CLI stages and four engine processes (~1 CPU-minute of process starts
   even at tiny sizes); the same torchrun path runs in tests/engine/test_dist.py.
 - bench/serve_throughput.py, bench/serve_load.py, bench/rl_sampler_cpu.py, bench/probe/vllm_poll_cpu.py: need vLLM,
@@ -22,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import sys
 
 import pytest
@@ -50,6 +58,8 @@ def errors(figures, where: str = "") -> list[str]:
 
 
 def smoke_args(module: str) -> list[str]:
+    if module in KERNEL_BENCHES + ["bench.sft_packing_gpu"]:
+        return ["--smoke"]                                    # every provider of these runs in CI's virtualenv
     bench = importlib.import_module(module)
     if module == "bench.packing_efficiency":
         return ["--samples", "300", "--rows", "2"]
@@ -58,19 +68,39 @@ def smoke_args(module: str) -> list[str]:
     return ["--smoke", *every_provider(*bench.PROVIDERS)]
 
 
+KERNEL_BENCHES = [f"bench.kernels.{op}" for op in ("linear_loss", "lora_gemm", "lora_linear", "nf4", "rms_norm", "rope",
+                                                    "swiglu")] + ["bench.grouped_mm_gpu"]
 BENCHES = ["bench.e2e_sft_gpu", "bench.e2e_dpo_gpu", "bench.e2e_pretrain_gpu", "bench.peer_gpu", "bench.moe_gpu",
-           "bench.qlora_gpu", "bench.rl_gpu", "bench.packing_efficiency"]
+           "bench.qlora_gpu", "bench.rl_gpu", "bench.packing_efficiency", "bench.sft_packing_gpu", *KERNEL_BENCHES]
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="CPU smoke runs of Triton kernels need TRITON_INTERPRET=1 (a GPU machine)")
 
 
-@pytest.mark.parametrize("module", BENCHES)
+def figures_written(where) -> dict | list:
+    """The one results file a bench wrote: JSON, or JSON lines (a list of rows)."""
+    written = list(where.glob("*.json")) + list(where.glob("*.jsonl"))
+    assert len(written) == 1, f"wrote {[p.name for p in written]}"
+    text = written[0].read_text()
+    return [json.loads(line) for line in text.splitlines()] if written[0].suffix == ".jsonl" else json.loads(text)
+
+
+@pytest.mark.parametrize("module", [pytest.param(m, marks=needs_interpreter) if m in KERNEL_BENCHES else m
+                                    for m in BENCHES])
 def test_the_bench_runs_at_smoke_size(module, tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setattr(sys, "argv", [module, *smoke_args(module)])
     importlib.import_module(module).main()
-    written = list(tmp_path.glob("*.json"))
-    assert len(written) == 1, f"{module} wrote {[p.name for p in written]}"
-    figures = json.loads(written[0].read_text())
+    figures = figures_written(tmp_path)
+    assert figures, f"{module} wrote no figures"
     assert not errors(figures), errors(figures)
+
+
+@needs_interpreter
+def test_the_rope_tile_probe_runs_at_smoke_size(monkeypatch, capsys):
+    from bench.kernels.rope import SMOKE_HEADS
+    monkeypatch.setattr(sys, "argv", ["bench.kernels.rope_tiles", "smoke", "--smoke"])
+    importlib.import_module("bench.kernels.rope_tiles").main()
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("smoke tile")]) == len(SMOKE_HEADS)
 
 
 def test_errors_finds_a_failed_provider_anywhere_in_the_figures():

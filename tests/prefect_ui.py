@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -25,12 +24,13 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 TIMEOUT_MS = 60_000            # one page's wait on a loaded 2-core machine
 VIEWPORT = {"width": 1600, "height": 1000}
+REFUSED = "Invalid credentials"       # the login form's message for a wrong password
 
 
 @dataclass
 class Expected:
     """What the flow run's pages must show: each stage's state in its Task Runs tab (task runs are named
-    `<stage>-<n>`), each artifact key with its type in its Artifacts tab, and the artifact whose page shows a PNG."""
+    `<stage>-<suffix>`), each artifact key with its type in its Artifacts tab, and the artifact whose page shows a PNG."""
     stages: dict[str, str]
     artifacts: dict[str, str] = field(default_factory=dict)
     image: str = ""
@@ -38,11 +38,16 @@ class Expected:
 
 def dag_expected(run_name: str, stages: dict[str, str]) -> Expected:
     """A glm-lora flow run's pages: these stages in these states; each training stage among them with its metrics
-    table and loss curve (tasks/report.py), the SFT loss curve's page showing its PNG."""
+    table and loss curve, the harness stage its benchmark table, the RL stage its rewards plot (tasks/report.py); the
+    SFT loss curve's page showing its PNG."""
     artifacts = {}
     for stage in ("pretrain", "sft", "dpo"):
         if stage in stages:
             artifacts |= {f"{run_name}-{stage}-metrics": "table", f"{run_name}-{stage}-loss-curve": "markdown"}
+    if "harness" in stages:
+        artifacts[f"{run_name}-harness-benchmarks"] = "table"
+    if "rl" in stages:
+        artifacts[f"{run_name}-rl-rewards"] = "markdown"
     return Expected(stages, artifacts, image=f"{run_name}-sft-loss-curve")
 
 
@@ -97,7 +102,8 @@ def check_flow_run(server: Server, flow_run_id: str, expected: Expected, out: Pa
 
 
 def _check(page, server: Server, flow_run_id: str, expected: Expected, out: Path) -> list[str]:
-    login(page, server)
+    if refused := login(page, server):
+        return [refused]
     missing = []
     ui = f"{server.url}/v2"
     with page.expect_response(re.compile(r"/api/flow_runs/[^/]+/graph-v2$")):
@@ -138,15 +144,17 @@ def _check(page, server: Server, flow_run_id: str, expected: Expected, out: Path
     return missing
 
 
-def login(page, server: Server) -> None:
+def login(page, server: Server) -> str:
     """The UI's login form, as a user fills it: it checks the password against the API and keeps it (base64) in
-    localStorage for every later request. Setting that key by script races the first page's requests, whose 401s
-    clear it; the form does not."""
+    localStorage for every later request. (Setting that key by script races the first page's requests, whose 401s
+    clear it; the form does not.) Returns why it refused, '' once logged in."""
     page.goto(server.url)
     page.wait_for_url(re.compile(r"/login"))
     page.locator("input[type=password]").fill(server.auth)
     page.get_by_role("button", name="Login").click()
-    page.wait_for_url(lambda url: "/login" not in url)
+    page.wait_for_function(f"() => !location.pathname.endsWith('/login') || "
+                           f"document.body.innerText.includes({REFUSED!r})")
+    return f"the UI's login form refused the auth string ({REFUSED})" if page.url.split("?")[0].endswith("/login") else ""
 
 
 def _rows(page) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 TIMEOUT_MS = 60_000            # one page's wait on a loaded 2-core machine
-VIEWPORT = {"width": 1600, "height": 1000}
+VIEWPORT = {"width": 1600, "height": 1600}     # a flow run's graph and ten stages' rows, the sidebar beside them
 REFUSED = "Invalid credentials"       # the login form's message for a wrong password
 
 
@@ -140,7 +140,7 @@ def _check(page, server: Server, flow_run_id: str, expected: Expected, out: Path
         width = image.evaluate("img => img.decode().then(() => img.naturalWidth)")
         if not width:
             missing.append(f"the {expected.image} image drawn in its artifact page")
-        page.screenshot(path=str(out / "ui-loss-curve.png"))
+        page.screenshot(path=str(out / "ui-loss-curve.png"), clip={"x": 0, "y": 0, "width": 1600, "height": 1000})
     return missing
 
 
@@ -166,6 +166,8 @@ def _rows(page) -> list[tuple[str, str]]:
 
 
 def _settle(page) -> None:
-    """No request in flight, then two animation frames: the flow run's graph (a canvas) is drawn."""
+    """No request in flight, then two animation frames: the flow run's graph (a canvas) is drawn. The clicked tab
+    loses its focus ring."""
     page.wait_for_load_state("networkidle")
+    page.evaluate("() => document.activeElement && document.activeElement.blur()")
     page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")

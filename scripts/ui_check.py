@@ -1,9 +1,10 @@
 """The Prefect UI's screenshots for docs/: runs the tiny flow (shortened, every stage on: RL, the harness, GGUF,
 serve) against a local Prefect server with an auth string, then checks the finished flow run's pages in headless
 Chromium as CI does for its own DAG run (tests/prefect_ui.py, tests/test_dag.py): logs in, every stage Completed,
-each training stage's metrics table and loss curve listed, the SFT loss curve's image drawn.
+its artifacts listed (tests/prefect_ui.py dag_expected), the SFT loss curve's image drawn.
 
     python scripts/ui_check.py OUT_DIR      # OUT_DIR/ui-flow-run.png, ui-artifacts.png, ui-loss-curve.png
+    cp OUT_DIR/ui-flow-run.png OUT_DIR/ui-loss-curve.png docs/
 
 Needs Debian's chromium and the test extra (Playwright), as scripts/setup.sh installs them, and .venv-vllm for the
 serve stage. Exits non-zero naming what it did not find.

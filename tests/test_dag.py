@@ -195,7 +195,7 @@ def test_the_prefect_ui_shows_every_stage_and_the_loss_curve_in_a_real_browser(d
     `prefect server start` (UI, an auth string, no services) reads its database. Logged in through the login form,
     the flow run's Task Runs tab shows every stage Completed, its Artifacts tab each training stage's metrics table
     and loss curve, and the SFT loss curve's page its PNG. Screenshots under tmp_path
-    (`python scripts/ui_check.py docs` makes the docs' ones)."""
+    (scripts/ui_check.py makes the docs' ones)."""
     import prefect.settings
     from tests.prefect_ui import check_flow_run, dag_expected, ui_server
     database = prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL.value()

@@ -93,36 +93,46 @@ make_vllm() {
     echo "[setup] .venv-vllm made in $((SECONDS - t0)) s"
   fi
 }
+# Debian packages, one apt-get for those missing, beside the virtualenvs: nginx-light, the stable endpoint in front of
+# the live vLLM server (README "Serving"; it runs as this user with its config under runs/<run>/serving/nginx/, never
+# the system's), and chromium, the browser the tests drive through the Prefect UI (tests/prefect_ui.py).
+install_debian_packages() {
+  local apt_pkgs=() as_root=() policy="" rc=0 t1=$SECONDS
+  if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+    apt_pkgs+=(nginx-light)
+  fi
+  [ -x /usr/bin/chromium ] || apt_pkgs+=(chromium)
+  [ ${#apt_pkgs[@]} -gt 0 ] || return 0
+  if [ "$(id -u)" != 0 ]; then
+    if sudo -n true 2>/dev/null; then as_root=(sudo -n); else
+      echo "[setup] ${apt_pkgs[*]} missing and installing needs root: run" \
+           "'sudo apt-get install -y ${apt_pkgs[*]}', then this again" >&2
+      return 1
+    fi
+  fi
+  command -v apt-get >/dev/null 2>&1 || {
+    echo "[setup] no apt-get here: install ${apt_pkgs[*]} with your package manager" >&2; return 1; }
+  echo "[setup] installing ${apt_pkgs[*]} (apt-get)"
+  # Debian's postinst starts a system nginx on port 80 where services can start; a policy-rc.d that says
+  # no (as container images ship) keeps it from doing that. Put one in place only for this install.
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' | "${as_root[@]}" tee /usr/sbin/policy-rc.d >/dev/null
+    "${as_root[@]}" chmod 755 /usr/sbin/policy-rc.d
+    policy=1
+  fi
+  "${as_root[@]}" apt-get update -qq >/dev/null || rc=$?
+  [ $rc = 0 ] && { DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends \
+    "${apt_pkgs[@]}" >/dev/null || rc=$?; }
+  [ -z "$policy" ] || "${as_root[@]}" rm -f /usr/sbin/policy-rc.d
+  [ $rc = 0 ] || { echo "[setup] apt-get install ${apt_pkgs[*]} failed ($rc)" >&2; return 1; }
+  echo "[setup] ${apt_pkgs[*]} installed in $((SECONDS - t1)) s"
+}
 t0=$SECONDS
 make_main & main_pid=$!
 make_vllm & vllm_pid=$!
-main_rc=0; vllm_rc=0
+install_debian_packages & apt_pid=$!
+main_rc=0; vllm_rc=0; apt_rc=0
 wait $main_pid || main_rc=$?
 wait $vllm_pid || vllm_rc=$?
-[ $main_rc = 0 ] && [ $vllm_rc = 0 ] || exit 1
-
-# nginx: the stable endpoint in front of the live vLLM server (README "Serving"). Debian's nginx-light; it
-# runs as this user with its config under runs/<run>/serving/nginx/, never the system's.
-if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
-  if [ "$(id -u)" = 0 ]; then SUDO=(); elif sudo -n true 2>/dev/null; then SUDO=(sudo -n); else
-    echo "[setup] nginx is missing and installing it needs root: run 'sudo apt-get install -y nginx-light'," \
-         "then this again" >&2
-    exit 1
-  fi
-  command -v apt-get >/dev/null 2>&1 || { echo "[setup] no apt-get here: install nginx with your package manager" >&2; exit 1; }
-  echo "[setup] installing nginx-light (apt-get)"
-  # Debian's postinst starts a system nginx on port 80 where services can start; a policy-rc.d that says
-  # no (as container images ship) keeps it from doing that. Put one in place only for this install.
-  policy=""
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' | "${SUDO[@]}" tee /usr/sbin/policy-rc.d >/dev/null
-    "${SUDO[@]}" chmod 755 /usr/sbin/policy-rc.d
-    policy=1
-  fi
-  rc=0
-  "${SUDO[@]}" apt-get update -qq >/dev/null || rc=$?
-  [ $rc = 0 ] && { DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends \
-    nginx-light >/dev/null || rc=$?; }
-  [ -n "$policy" ] && "${SUDO[@]}" rm -f /usr/sbin/policy-rc.d
-  [ $rc = 0 ] || { echo "[setup] apt-get install nginx-light failed ($rc)" >&2; exit 1; }
-fi
+wait $apt_pid || apt_rc=$?
+[ $main_rc = 0 ] && [ $vllm_rc = 0 ] && [ $apt_rc = 0 ] || exit 1

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 SHORT = {"pretrain.max_steps": 60, "sft.max_steps": 120, "dpo.max_steps": 20,
          "data.synthetic.n_pretrain": 1500, "data.synthetic.n_sft": 1000, "data.synthetic.n_dpo": 200,
          "serve.keep_running": False, "serve.max_tokens": 16}
+STAGES = ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf", "harness", "serve")    # the first run's
 # The first run only (the later runs reuse `dag["overrides"]` without it): lm-evaluation-harness on a shipped task,
 # 8 samples, and the gate reading its score (nothing served yet: against the base model's)
 HARNESS = {"eval.harness.tasks": ["glm_lora_arithmetic"], "eval.harness.limit": 8,
@@ -72,10 +73,16 @@ def _task_states(flow_run_id) -> dict[str, str]:
     return states
 
 
-def _run(overrides: dict):
+def _flow_run(overrides: dict):
+    """The completed flow run's final state."""
     from glm_lora.flows.glm_lora import glm_lora
     state = glm_lora(config="tiny", overrides=overrides, return_state=True)
     assert state.is_completed(), state
+    return state
+
+
+def _run(overrides: dict):
+    state = _flow_run(overrides)
     return state.result(), _task_states(state.state_details.flow_run_id)
 
 
@@ -85,14 +92,14 @@ def dag(mlflow_server, prefect_server, tmp_path_factory):
     overrides = {**SHORT, "runs_dir": str(runs), "serve.port": _free_port()}
     tracking = {} if mlflow_server is None else {"tracking.backend": "mlflow",
                                                  "tracking.tracking_uri": mlflow_server.wait()}
-    result, states = _run({**overrides, **HARNESS, **tracking})   # only this run is tracked: the others reuse `overrides`
-    return {"overrides": overrides, "result": result, "states": states, "run_dir": runs / "tiny",
-            "mlflow": mlflow_server and mlflow_server.url}
+    state = _flow_run({**overrides, **HARNESS, **tracking})   # only this run is tracked: the others reuse `overrides`
+    flow_run_id = state.state_details.flow_run_id
+    return {"overrides": overrides, "result": state.result(), "states": _task_states(flow_run_id),
+            "run_dir": runs / "tiny", "mlflow": mlflow_server and mlflow_server.url, "flow_run_id": str(flow_run_id)}
 
 
 def test_every_stage_ran_and_vllm_matches_inprocess_greedy(dag):
-    assert dag["states"] == {s: "Completed" for s in ("data", "tokenizer", "pretrain", "sft", "dpo", "export", "gguf",
-                                                      "harness", "serve")}
+    assert dag["states"] == {s: "Completed" for s in STAGES}
     r = dag["result"]
     assert r["answer"].strip(), "vLLM returned an empty answer"
     assert r["answer"].strip() == r["inprocess_answer"].strip()
@@ -181,6 +188,21 @@ def test_each_stage_shows_tables_and_loss_curves_in_the_ui(dag):
     for stage in ("pretrain", "sft", "dpo"):      # updated every logging window, 100% once the stage is done
         bar = found[f"tiny-{stage}-progress"]
         assert bar.type == "progress" and float(bar.data) == 100.0 and "done" in bar.description, bar
+
+
+def test_the_prefect_ui_shows_every_stage_and_the_loss_curve_in_a_real_browser(dag, tmp_path):
+    """The UI a user opens, in headless Chromium (tests/prefect_ui.py): the harness's server serves no UI, so a second
+    `prefect server start` (UI, an auth string, no services) reads its database. Logged in through the login form,
+    the flow run's Task Runs tab shows every stage Completed, its Artifacts tab each training stage's metrics table
+    and loss curve, and the SFT loss curve's page its PNG. Screenshots under tmp_path
+    (scripts/ui_check.py makes the docs' ones)."""
+    import prefect.settings
+    from tests.prefect_ui import check_flow_run, dag_expected, ui_server
+    database = prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
+    with ui_server(tmp_path / "prefect-home", database) as server:
+        missing = check_flow_run(server, dag["flow_run_id"], dag_expected("tiny", {s: "Completed" for s in STAGES}),
+                                 tmp_path / "screenshots")
+    assert missing == [], "not found in the Prefect UI:\n" + "\n".join(missing)
 
 
 def test_the_run_is_tracked_in_a_real_mlflow_server_and_the_served_export_registered(dag, tmp_path):

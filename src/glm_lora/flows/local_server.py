@@ -8,16 +8,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 @contextlib.contextmanager
-def local_prefect_server(env: dict, port: int, timeout_s: float = 120) -> Iterator[subprocess.Popen]:
-    """`prefect server start` on 127.0.0.1:port with `env` (PREFECT_HOME, database URL, auth ...) in its own
-    session; yields once /api/health answers, raises RuntimeError if it does not within timeout_s; stopped
-    on exit."""
+def local_prefect_server(env: dict, port: int, timeout_s: float = 120,
+                        args: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
+    """`prefect server start` on 127.0.0.1:port with `env` (PREFECT_HOME, database URL, auth ...) and its
+    options `args` (e.g. --no-services) in its own session; yields once /api/health answers, raises RuntimeError if
+    it does not within timeout_s; stopped on exit."""
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               str(port), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s

@@ -94,14 +94,15 @@ make_vllm() {
   fi
 }
 # Debian packages, one apt-get for those missing, beside the virtualenvs: nginx-light, the stable endpoint in front of
-# the live vLLM server (README "Serving"; it runs as this user with its config under runs/<run>/serving/nginx/, never
-# the system's), and chromium, the browser the tests drive through the Prefect UI (tests/prefect_ui.py).
+# the live vLLM server (docs/serving.md; it runs as this user with its config under runs/<run>/serving/nginx/, never
+# the system's), and, for the tests only (GLM_LORA_TEST_BROWSER=1, set by scripts/test.sh), chromium, the browser
+# they drive through the Prefect UI (tests/prefect_ui.py).
 install_debian_packages() {
   local apt_pkgs=() as_root=() policy="" rc=0 t1=$SECONDS
   if [ "${GLM_LORA_SKIP_VLLM:-0}" != 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
     apt_pkgs+=(nginx-light)
   fi
-  [ -x /usr/bin/chromium ] || apt_pkgs+=(chromium)
+  [ "${GLM_LORA_TEST_BROWSER:-0}" != 1 ] || [ -x /usr/bin/chromium ] || apt_pkgs+=(chromium)
   [ ${#apt_pkgs[@]} -gt 0 ] || return 0
   if [ "$(id -u)" != 0 ]; then
     if sudo -n true 2>/dev/null; then as_root=(sudo -n); else

@@ -12,7 +12,7 @@ LLAMA_BUILD=$!
 # `|| true`: under set -e a failing command in the EXIT trap (the build already finished) would turn the exit status
 # into 1 whatever pytest returned.
 trap 'kill -- -$LLAMA_BUILD 2>/dev/null || true' EXIT
-bash scripts/setup.sh
+GLM_LORA_TEST_BROWSER=1 bash scripts/setup.sh      # with chromium, for the Prefect UI test
 source scripts/env.sh
 set +e
 python -m pytest -q -n "${GLM_LORA_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

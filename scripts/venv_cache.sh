@@ -64,8 +64,9 @@ venv_save() {   # ENTRY DIR: DIR (relative to REPO), just built, becomes the ent
   printf '%s\n' "$REPO" > "$tmp/.glm-lora-origin"     # a file of the entry's own, not linked to the checkout's
   mv -T "$tmp" "$VENV_CACHE/$1" 2>/dev/null || rm -rf "$tmp"
   # the two newest entries of this kind stay, and any made in the last day: another checkout may be restoring one
+  # (an `if`, not `[ ] && rm`: a loop whose last test fails would fail the caller under `set -e -o pipefail`)
   ls -dt "$VENV_CACHE/$kind"-* 2>/dev/null | tail -n +3 | while read -r old; do
-    [ -n "$(find "$old" -maxdepth 0 -mmin +1440)" ] && rm -rf "$old"
+    if [ -n "$(find "$old" -maxdepth 0 -mmin +1440)" ]; then rm -rf "$old"; fi
   done
   return 0
 }

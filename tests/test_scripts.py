@@ -128,6 +128,18 @@ def test_a_cached_virtualenv_is_restored_into_another_checkout_by_hard_links_wit
     assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr     # no home directory: no cache, no error
 
 
+def test_saving_beside_two_recent_entries_of_its_kind_succeeds_under_set_e(tmp_path):
+    """setup.sh runs with `set -euo pipefail`: a save that finds more than two entries of its kind, all less than a day
+    old (a day of changed requirements), keeps them and returns 0 (its pruning loop once failed the whole setup)."""
+    import sys
+    repo, cache = tmp_path / "repo", tmp_path / "cache"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True, timeout=60)
+    out = _venv_cache(repo, cache, "set -euo pipefail; for k in main-a main-b main-c; do venv_save $k .venv; done; "
+                                   "echo saved")
+    assert (out.returncode, out.stdout) == (0, "saved\n"), out.stderr
+    assert sorted(p.name for p in cache.iterdir()) == ["main-a", "main-b", "main-c"]
+
+
 def test_setup_restores_a_cached_virtualenv_instead_of_installing(tmp_path):
     """scripts/setup.sh with an entry for its stamp in the cache: .venv is restored and stamped, pip never runs
     (PIP_NO_INDEX would make an install fail), and it says so."""

@@ -18,10 +18,12 @@ Skipped inside the runs, by name:
 Not run here, and why:
 - bench/torchrun_overhead_gpu.py: a run is two CLI stages and four engine processes (~1 CPU-minute of process starts
   even at tiny sizes); the same torchrun path runs in tests/engine/test_dist.py.
-- bench/serve_throughput.py, bench/serve_load.py, bench/rl_sampler_cpu.py, bench/probe/vllm_poll_cpu.py: need vLLM,
-  which only the deployment tests' second virtualenv has.
+- bench/serve_throughput.py, bench/serve_load.py, bench/rl_sampler_cpu.py, bench/probe/vllm_poll_cpu.py: need a
+  served model in vLLM's own virtualenv; serve_load's load loop (`run_load`) runs against the deployment in
+  tests/serve/test_deployment.py.
 - bench/cpu_step.py, bench/probe/cpu_sft_levers.py, bench/quality/*: need a finished tiny run (data, tokenizer,
-  pretrained base) and measure over minutes; the quality harness's stages are the flow's own (tests/test_quality.py).
+  pretrained base) and measure over minutes; the quality harness's stages are the flow's own, and its
+  bench.quality.fresh / bench.quality.on_run run in tests/test_quality.py.
 - bench/probe/{copy_probe,pretrain_probe,cudagraph_blocks}.py: GPU profiles (torch.cuda and CUDA graphs throughout).
 """
 from __future__ import annotations

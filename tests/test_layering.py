@@ -86,3 +86,11 @@ def test_the_data_stage_checks_the_config_without_importing_torch_dynamo(tmp_pat
     (model.model.shapes_only): initialising meta tensors imports torch._dynamo, ~1 s of every CLI stage call."""
     assert _cli_imports(tmp_path, "stage", "data", "--config", "tiny", "--set", f"runs_dir={tmp_path}") == \
         {"rc": 0, "torch": True, "dynamo": False}
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """The test folders are not packages, so pytest imports each module by its file name: two of one name (a
+    tests/configs/test_reference.py beside tests/kernels/test_reference.py) stop the whole run at collection."""
+    from collections import Counter
+    names = Counter(f.name for f in (PACKAGE.parents[1] / "tests").rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []

@@ -1,6 +1,6 @@
 """The embedded default learns: the whole tiny DAG (default config, no serving) clears stated floors.
 
-These floors sit below what the default reaches (README "Answer quality") so that noise between
+These floors sit below what the default reaches (bench/RESULTS.md, "The tiny default's answer quality") so that noise between
 machines passes while a regression in learning (data, tokenizer, model, losses, schedule) fails.
 """
 import pytest
@@ -12,7 +12,7 @@ from glm_lora.flows.cli import run_one_stage
 
 pytestmark = pytest.mark.slow
 
-# Measured on the default (README): stated here, checked below.
+# Measured on the default (bench/RESULTS.md): stated here, checked below.
 # The same seed lands differently from run to run on the CPU (bf16 rounding follows the thread layout: three fresh-clone
 # flows of the 4000-step default, all seed 0, gave SFT exact match 0.905, 0.905 and 0.93), so the floors sit at or
 # below the lowest of the 15-seed GPU sweep (bench/results/quality_sweep_fewer_steps_*.jsonl) and of the CPU runs,
@@ -28,7 +28,9 @@ FLOORS = {
     "sft_exact_match": 0.89,                # mean over the 10 families (CPU runs 0.905, 0.905, 0.93; GPU sweep median of
                                             # 15 seeds 0.93, range 0.915–0.96; the 4500-step recipe: 0.905–0.96)
     "sft_lowest_family": 0.65,              # the weakest family, add or sub (CPU runs 0.70, 0.70, 0.80; sweep 0.65–0.80)
-    "sft_string_families": 0.95,            # copy/reverse, en + zh (measured 1.0)
+    "sft_string_families": 0.90,            # copy/reverse, en + zh, 20 prompts each: 1.0 on the machines the recipe
+                                            # was tuned on; copy_en 0.90 (18 of 20) on an Intel Xeon with AMX, whose bf16
+                                            # kernels round otherwise (same adapters from edc5ce5's code and today's there)
     "dpo_implicit_reward_accuracy": 0.86,   # CPU runs 0.87, 0.92, 0.895; GPU sweep median 0.915 (0.875–0.95)
     "dpo_exact_match_loss": 0.025,          # DPO may cost at most this much exact match, on ~1,600 fresh prompts (the new
                                             # default's seeds 0-2 −1.3 / −1.1 / −1.0 points; on the stages' 200 prompts: CPU
@@ -86,7 +88,7 @@ def test_sft_answers_held_out_prompts(metrics):
     assert e["exact_match"] >= FLOORS["sft_exact_match"] - ULP, e["per_family"]
     assert min(e["per_family"].values()) >= FLOORS["sft_lowest_family"] - ULP, e["per_family"]
     strings = {f: v for f, v in e["per_family"].items() if f.startswith(("copy", "reverse"))}
-    assert len(strings) == 4 and min(strings.values()) >= FLOORS["sft_string_families"], strings
+    assert len(strings) == 4 and min(strings.values()) >= FLOORS["sft_string_families"] - ULP, strings
 
 
 def test_dpo_prefers_chosen_answers_on_held_out_pairs(default_run, tmp_path):

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _clean_env() -> dict:
+    """No variable that would hide the checkout from sys.path (PYTHONSAFEPATH) or add to it: a user's plain shell."""
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
 
 

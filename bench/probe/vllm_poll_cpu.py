@@ -1,7 +1,7 @@
 """CPU a CPU vLLM server spends on the deployment tests' polling clients, alone or beside busy processes (CI's two
 workers), and what its OpenMP threads' waiting does to it (bench/RESULTS.md "The deployment tests' server under load").
 
-    PYTHONSAFEPATH= PYTHONPATH=.:tests/serve python bench/probe/vllm_poll_cpu.py [--seconds 30] [--hogs 0,2] [--env '' 'OMP_WAIT_POLICY=PASSIVE']
+    PYTHONPATH=.:tests/serve python bench/probe/vllm_poll_cpu.py [--seconds 30] [--hogs 0,2] [--env '' 'OMP_WAIT_POLICY=PASSIVE']
 
 For each environment given to the server (KEY=VALUE pairs, space-separated; '' for none) and each number of busy
 processes beside it: the serve stage puts a tiny export on the stable endpoint (vLLM + nginx, as

@@ -40,7 +40,7 @@ from glm_lora.data.prepare import split_path
 from glm_lora.data.tokenizer import end_of_turn_ids
 from glm_lora.evaluation import decode, metrics
 from glm_lora.engine.compile import compiled_training
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer, lr_at
 from glm_lora.model import inject_lora
 from glm_lora.model.hf import load_native

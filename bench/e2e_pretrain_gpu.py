@@ -41,7 +41,7 @@ from bench.workloads import (precision_note, result_name, train_step, SIZES, aut
                              norms_fused, ratios, selected, setup, siblings_stacked, table, timed)
 from glm_lora.engine.compile import compiled_training
 from glm_lora.engine.cuda_graphs import graphed_training
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import DecoderConfig
 

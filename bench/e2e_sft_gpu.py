@@ -24,7 +24,7 @@ from bench.workloads import (precision_note, result_name, train_step, SIZES, TAR
                              our_model, parser, ratios, scaled_lengths, selected, setup, table, timed)
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import inject_lora
 from glm_lora.configs.schema import LoRAConfig

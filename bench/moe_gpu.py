@@ -32,7 +32,7 @@ from bench.workloads import (WARMUP_RULE, RandomSFT, free, guarded, parser, scal
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.data.packing import PackedBatches
 from glm_lora.data.sampler import EpochSampler
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights

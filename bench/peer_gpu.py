@@ -65,7 +65,8 @@ from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomDPO, RandomSFT, 
                              norms_fused, setup, siblings_stacked, timed_steps, train_step)
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
-from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
 from glm_lora.engine.cuda_graphs import graphed_training

@@ -31,7 +31,7 @@ from bench.common import write_result
 from bench.peer_gpu import packed_batches
 from bench.workloads import (SIZES, TARGETS, WARMUP_RULE, RandomSFT, decoder_config, free, hf_model, hf_peft,
                              our_model, parser, result_name, scaled_lengths, setup, timed_steps, train_step)
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import inject_lora
 from glm_lora.configs.schema import LoRAConfig

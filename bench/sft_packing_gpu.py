@@ -23,7 +23,7 @@ from bench.common import write_result
 from bench.workloads import SIZES, TARGETS, RandomSFT, autocast, scaled_lengths, to_device
 from glm_lora.data.packing import PackedBatches, padded_batches
 from glm_lora.data.sampler import EpochSampler
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.configs.schema import LoRAConfig

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from bench.packing_efficiency import skewed_lengths
-from glm_lora.data.packing import IGNORE
+from glm_lora.data.packing import IGNORE, to_device
 from glm_lora.model import DecoderConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -170,10 +170,6 @@ def autocast(device: torch.device):
     if device.type != "cuda" or _amp["dtype"] is None:
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=_amp["dtype"])
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def pinned(batches: list[dict], device: torch.device) -> list[dict]:

@@ -10,8 +10,8 @@ import argparse
 import torch
 import triton.testing
 
-# torch.compile's CPU codegen costs minutes of C++ builds per shape: more than all the smoke runs together.
 M, SMOKE_M = 16384, 64          # rows (tokens) of the benches' activations: 8 × 2048 on CUDA
+# torch.compile's CPU codegen costs minutes of C++ builds per shape: more than all the smoke runs together.
 SKIP_COMPILED = "--smoke: torch.compile on the CPU is too slow for CI"
 
 

@@ -10,7 +10,7 @@ from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model import inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from bench.workloads import decoder_config, our_model, TARGETS
 dev = torch.device("cuda")
 cfg = decoder_config("1b", 32000, 2048)

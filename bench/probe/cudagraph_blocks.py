@@ -13,7 +13,7 @@ import torch
 from bench import peer_gpu as P
 from glm_lora.engine.cuda_graphs import graphed_training
 from bench.workloads import RandomSFT, autocast, decoder_config, parser, scaled_lengths, setup, to_device
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 
 

@@ -14,7 +14,7 @@ from bench.e2e_pretrain_gpu import PEAK_FLOPS, flops_per_token, random_batches, 
 from bench.peer_gpu import KINDS
 from bench.workloads import decoder_config, our_model, train_step
 from glm_lora.kernels import ops as kernels
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 
 ap = argparse.ArgumentParser()

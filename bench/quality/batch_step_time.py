@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from glm_lora.configs.load import load_config                      # noqa: E402
 from glm_lora.data.pipeline import StageData                  # noqa: E402
-from glm_lora.engine.losses import causal_lm_loss             # noqa: E402
+from glm_lora.model.heads import causal_lm_loss             # noqa: E402
 from glm_lora.engine.optim import build_optimizer             # noqa: E402
 from glm_lora.model import inject_lora                        # noqa: E402
 from glm_lora.model.hf import load_native                     # noqa: E402

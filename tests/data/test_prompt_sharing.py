@@ -8,7 +8,8 @@ import torch
 
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.data.packing import IGNORE, PackedBatches, shared_prefix
-from glm_lora.engine.losses import PreferenceLoss, group_logprobs
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model.heads import group_logprobs
 from glm_lora.model import Decoder, DecoderConfig
 from glm_lora.model.lora import inject_lora
 from tests.data.test_packing import Counter, ListSource

@@ -21,7 +21,7 @@ from glm_lora.configs.schema import CheckpointConfig, Config
 from glm_lora.engine.checkpoint import Checkpointer, IncompatibleResumeError, TrainState, capture_rng, config_diff, restore_rng
 from glm_lora.engine.checkpoint_store import (MANIFEST, MODEL, OPTIMIZER, RNG, TRAINER_STATE, CheckpointError,
                                      CheckpointManager, CheckpointUnusable)
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.configs.schema import LoRAConfig

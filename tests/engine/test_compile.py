@@ -10,7 +10,7 @@ import torch
 import glm_lora.engine.compile as ec
 from glm_lora.configs.schema import TrainConfig
 from glm_lora.engine.compile import compiled_training
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.configs.schema import LoRAConfig
 

@@ -414,7 +414,7 @@ def test_kernels_get_plain_tensors_and_the_adapter_switch_reaches_fsdp2_layers(t
 MOE_FSDP2_CHECK = r'''
 import copy, json, sys, torch
 from glm_lora.engine import dist
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.trainer import Runtime
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model import Decoder, DecoderConfig, inject_lora

@@ -4,7 +4,7 @@ import itertools
 import torch
 
 from glm_lora.engine.checkpoint import CheckpointManager, Checkpointer
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.trainer import train
 from glm_lora.configs.schema import CheckpointConfig
 from tests.engine.test_engine import CPU, batch, cfg, tiny

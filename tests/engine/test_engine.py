@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import glm_lora.engine.losses as losses
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import TrainConfig
-from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss, group_logprobs
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model.heads import causal_lm_loss, group_logprobs
 from glm_lora.engine.optim import build_optimizer, lr_at
 from glm_lora.engine.trainer import NonFiniteLossError, Runtime, train, train_step
 from glm_lora.model import Decoder, DecoderConfig, inject_lora

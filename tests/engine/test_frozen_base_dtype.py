@@ -11,7 +11,8 @@ import torch
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.engine.adapter_stage import _frozen_gemm_weights_in_compute_dtype, frozen_weights_in_compute_dtype
-from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model import inject_lora
 from glm_lora.model.lora import LoRALinear
 from tests.model.test_lora import LAYOUT_PROJECTIONS, VOCAB, randomise_b, tiny_arch

@@ -35,7 +35,7 @@ def test_a_stage_compiled_on_cuda_learns_what_eager_learns(tmp_path):
     finish in 7 minutes on an H100 — inductor benchmarks its GEMM templates for every shape; its mode is checked in
     tests/engine/test_compile.py and its path ran in bench.e2e_pretrain_gpu's `ours_fused_autotune`, 2026-12-06.)"""
     from glm_lora.engine.compile import compiled_training
-    from glm_lora.engine.losses import causal_lm_loss
+    from glm_lora.model.heads import causal_lm_loss
     cuda = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, 512, (8, 4, 1), generator=g)

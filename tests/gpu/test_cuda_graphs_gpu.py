@@ -10,7 +10,7 @@ import torch
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.engine.cuda_graphs import graphed_training
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.lora import lora_disabled
 

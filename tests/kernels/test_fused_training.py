@@ -10,7 +10,8 @@ import torch
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import TrainConfig
 from glm_lora.data.packing import place
-from glm_lora.engine.losses import PreferenceLoss, causal_lm_loss
+from glm_lora.engine.losses import PreferenceLoss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.trainer import Runtime, train
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.configs.schema import LoRAConfig

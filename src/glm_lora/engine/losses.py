@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from glm_lora.kernels import ops as kernels
 from glm_lora.data.packing import IGNORE
-from glm_lora.model.heads import causal_lm_loss, group_logprobs, shifted  # noqa: F401  (causal_lm_loss: a stage's loss)
+from glm_lora.model.heads import group_logprobs, shifted
 from glm_lora.model.lora import lora_disabled
 
 

@@ -8,7 +8,7 @@ from glm_lora.configs.schema import Config
 from glm_lora.data.pipeline import StageData
 from glm_lora.engine.fit import check_seq_len, consolidated, decoder_config, fit, setup
 from glm_lora.evaluation.heldout import eval_lm
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model import Decoder
 from glm_lora.model.hf import save_native
 

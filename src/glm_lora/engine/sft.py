@@ -6,7 +6,7 @@ from pathlib import Path
 from glm_lora.configs.schema import Config
 from glm_lora.engine.adapter_stage import train_adapter
 from glm_lora.evaluation.heldout import eval_tasks
-from glm_lora.engine.losses import causal_lm_loss
+from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model.hf import load_native
 
 

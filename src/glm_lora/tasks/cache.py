@@ -127,7 +127,8 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
         if cfg.dist.launcher == "torchrun" or world_size(cfg) > 1:
             fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
     dirs = {k: Path(r["path"]) for k, r in inputs.items()}
-    from glm_lora.kernels import ops as kernels      # here, not at the top: reading the cache (`status`, a config error) loads no torch
+    # imported here, not at the top: reading the cache (`status`, a config error) loads no torch
+    from glm_lora.kernels import ops as kernels
     with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/ops.py
         ref = artifacts.build(out, name, lambda tmp: fn(cfg, dirs, tmp),
                               config={"cache_key": key, "key_parts": parts, "run": cfg.model_dump(mode="json")},

@@ -29,14 +29,13 @@ import torch
 
 from glm_lora.configs.errors import quote
 from glm_lora.data.cleaning import CleanReport
-from glm_lora.data.formats import MAX_LINE_BYTES, read_sft_rows
-from glm_lora.data.packing import PackedBatches, padded_batches
-from glm_lora.data.synthetic import check_answer
 from glm_lora.data.encode import dpo_examples, kto_examples, lm_examples, sft_examples
-from glm_lora.data.packing import to_device
+from glm_lora.data.formats import MAX_LINE_BYTES, read_sft_rows
+from glm_lora.data.packing import PackedBatches, padded_batches, to_device
+from glm_lora.data.synthetic import check_answer
 from glm_lora.evaluation.decode import evaluating, greedy_answers, model_device
-from glm_lora.model.lora import lora_disabled, lora_modules
 from glm_lora.model.heads import causal_lm_loss, group_logprobs
+from glm_lora.model.lora import lora_disabled, lora_modules
 
 ALL = "all"  # the family of rows without a "task" field
 SAMPLE_CHARS = 300  # prompt / reference / answer text kept per sample in the metrics

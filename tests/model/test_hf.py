@@ -12,13 +12,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from glm_lora.model import Decoder, DecoderConfig
+from glm_lora.model.model import LAYOUTS
 from glm_lora.model.hf import (HF_ARCHITECTURES, BaseModelError, check_tokenizer_fits, decoder_config_from_hf,
                       hf_config_dict, hf_weight_map, load_hf, load_native, save_hf, save_native)
 
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
 VOCAB = 257
-ARCHS = [a for a in HF_ARCHITECTURES if a != "glm4_moe"]   # llama, qwen2, qwen3, glm, glm4 (MoE: test_moe.py)
+ARCHS = [a for a in HF_ARCHITECTURES if not LAYOUTS[a].moe]   # llama, qwen2, qwen3, glm, glm4 (MoE: test_moe.py, test_mla.py)
 
 
 def hf_classes(arch):

@@ -22,7 +22,11 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj",
                 # mixture of experts (glm4_moe): the shared expert only, the routed experts only (per expert)
                 "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj",
-                "experts.gate_proj", "experts.up_proj", "experts.down_proj")
+                "experts.gate_proj", "experts.up_proj", "experts.down_proj",
+                # multi-head latent attention (glm4_moe_lite, glm_moe_dsa): the query latent, the key / value latent
+                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# GLM-5's DSA indexer projections: frozen (they only choose keys, without gradients), never a target.
+INDEXER_PROJECTIONS = ("wq_b", "wk", "weights_proj")
 ALL_LINEAR = "all-linear"   # PEFT's term: every linear projection of the layout (not the output head)
 
 
@@ -191,7 +195,9 @@ class LoRAConfig(Section):
                                 "not the output head), or a list of names: " + ", ".join(LORA_TARGETS) + ". The "
                                 "model must have them (gate_up_proj exists only in the GLM layouts, gate_proj and "
                                 "up_proj only in the others; shared_experts.* and experts.* only in mixture-of-"
-                                "experts models): checked when the adapter is added.")
+                                "experts models; q_a_proj, q_b_proj, kv_a_proj_with_mqa and kv_b_proj only with "
+                                "latent attention, GLM-4.7-Flash and GLM-5): checked when the adapter is added. "
+                                "GLM-5's DSA indexer is never adapted.")
     b_lr_ratio: float = Field(1.0, gt=0, description="LoRA+: the B matrices' learning rate is this × lr; 1: plain "
                                                      "LoRA.")
     modules_to_save: list[Literal["embed_tokens", "lm_head", "gate"]] = Field(
@@ -210,6 +216,9 @@ class LoRAConfig(Section):
             raise ValueError(f"got {targets[:100]!r}; expected {ALL_LINEAR!r} or a list from {list(LORA_TARGETS)}")
         if isinstance(targets, (list, tuple)):
             bad = [t for t in targets if t not in LORA_TARGETS]
+            if indexer := [t for t in bad if t.rsplit(".", 1)[-1] in INDEXER_PROJECTIONS]:
+                raise ValueError(f"{indexer} name the DSA indexer (GLM-5), which stays frozen: it only chooses each "
+                                 "query's keys, without gradients, as every GLM-5 trainer keeps it")
             if bad or not targets:
                 raise ValueError(f"unknown {bad or '(empty)'}; allowed: {list(LORA_TARGETS)} or {ALL_LINEAR!r}")
         return targets

@@ -282,10 +282,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
     if isinstance(mask, AutoDocumentMask):
         mask = mask.resolve(q)
     if isinstance(mask, varlen.Documents):
-        if q.dtype in varlen.DTYPES:
+        if q.dtype in varlen.DTYPES and v.shape[-1] == q.shape[-1]:    # FlashAttention 2: one head size
             return varlen.attention(q, k, v, mask)
         mask = mask.dense_mask()
     if mask is not None and not isinstance(mask, torch.Tensor):
         from glm_lora.kernels import flex
         return flex.attention(q, k, v, mask)
     return reference.attention(q, k, v, mask)
+
+
+def sparse_attention(q, k, v, index, scale):   # TEMPORARY
+    return reference.sparse_attention(q, k, v, index, scale)
+
+
+index_topk = reference.index_topk   # TEMPORARY

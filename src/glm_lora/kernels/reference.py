@@ -224,3 +224,33 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     safe = labels.masked_fill(~mask, 0)
     logp = torch.gather(logits.log_softmax(-1), -1, safe[..., None]).squeeze(-1)
     return logp * mask
+# TEMPORARY: replaced by the helper's versions on merge
+def sparse_attention(q, k, v, index, scale):
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    mask = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
+    mask.scatter_(-1, torch.where(index >= 0, index, S).long(), True)
+    mask = mask[..., :S]
+    with torch.autocast(q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale)
+    return out.to(q.dtype)
+
+
+@torch.no_grad()
+def index_topk(q, k, weights, doc_ids, topk, scale, chunk=1024):
+    B, T, H, D = q.shape
+    K = min(topk, T)
+    out = torch.empty(B, T, K, dtype=torch.long, device=q.device)
+    pos = torch.arange(T, device=q.device)
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        sc = torch.einsum("bthd,bsd->bths", q[:, s:e].float(), k.float()).mul_(scale).relu_()
+        sc = torch.einsum("bth,bths->bts", weights[:, s:e].float(), sc)
+        allowed = pos[None, :] <= pos[s:e, None]
+        allowed = allowed[None]
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[:, s:e, None] == doc_ids[:, None, :])
+        sc = sc.masked_fill(~allowed, float("-inf"))
+        top = sc.topk(K, dim=-1)
+        out[:, s:e] = top.indices.masked_fill(top.values == float("-inf"), -1)
+    return out

@@ -3,7 +3,9 @@ their config.json both ways, and native checkpoint I/O. Export (our → HF) and 
 (HF → our) both use LAYER_WEIGHTS.
 
 Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GlmForCausalLM (GLM-4-9B-chat-hf),
-Glm4ForCausalLM (GLM-4-0414) and Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, mixture of experts);
+Glm4ForCausalLM (GLM-4-0414), Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, mixture of experts),
+Glm4MoeLiteForCausalLM (GLM-4.7-Flash: latent attention + experts) and GlmMoeDsaForCausalLM (GLM-5/5.1/5.2:
+latent attention with DeepSeek sparse attention + experts);
 `DecoderConfig.arch` is the HF model_type. Anything our decoder cannot reproduce exactly (rope scaling,
 sliding windows, experts outside glm4_moe, biases or partial rotary where the layout has none, another
 activation, a router other than GLM-4.5's) is refused naming the config key.
@@ -11,7 +13,7 @@ activation, a router other than GLM-4.5's) is refused naming the config key.
 Routed experts: on disk one 2D weight per expert and projection (`mlp.experts.{e}.gate_proj.weight`, as the
 GLM-4.5 checkpoints and transformers' save_pretrained store them, and as vLLM loads them); in our decoder (and in
 transformers' memory) stacked: `mlp.experts.gate_up_proj` (E, 2I, C) = [gate | up] rows, `mlp.experts.down_proj`
-(E, C, I). `EXPERT_WEIGHTS` is that map. GLM-4.5's multi-token-prediction layers (`model.layers.{L}.*` for
+(E, C, I). `EXPERT_WEIGHTS` is that map. GLM's multi-token-prediction layers (`model.layers.{L}.*` for
 L ≥ num_hidden_layers, `num_nextn_predict_layers` of them) are not part of our forward: they are carried
 unchanged from import to export (`Decoder.carried`) so vLLM's speculative decoding can use them.
 
@@ -35,7 +37,8 @@ class BaseModelError(UserError, ValueError):
 
 # model_type (= our arch) → architecture
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                    "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 NATIVE_WEIGHTS, NATIVE_CONFIG, NATIVE_CARRIED = "model.safetensors", "config.json", "carried.safetensors"
 
 # Parameters of one decoder layer (model.layers.N.<name>), as transformers names them in each
@@ -54,10 +57,18 @@ LAYER_WEIGHTS = {
     "glm4": _NORMS + ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight") + _ATTN + _QKV_BIAS + _GLM_MLP,
     "glm4_moe": _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + _SWIGLU,            # the first_k_dense_replace dense layers
 }
-# glm4_moe's MoE layers: attention as above, then the router, the shared expert and the routed experts.
-MOE_LAYER_WEIGHTS = _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + (
-    "mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
-    "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+# The MoE layers' MLP: the router, the shared expert (the routed experts: EXPERT_WEIGHTS).
+_MOE_MLP = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
+            "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+MOE_LAYER_WEIGHTS = _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + _MOE_MLP            # glm4_moe's MoE layers
+# Multi-head latent attention (glm4_moe_lite, glm_moe_dsa): the query latent (or one q_proj without it), the key /
+# value latent, and, in glm_moe_dsa's "full" layers, the DSA indexer.
+_MLA_Q_LATENT = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight")
+_MLA_KV = ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+           "self_attn.o_proj.weight")
+_MLA_BIAS = ("self_attn.q_a_proj.bias", "self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias")
+_INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
+            "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
 # our stacked expert weight → (HF per-expert name with {e}, the rows of it each expert's weight is): gate_up_proj
 # holds [gate | up], so gate is its first half of rows and up the second.
 EXPERT_WEIGHTS = {"mlp.experts.gate_up_proj": (("mlp.experts.{e}.gate_proj.weight", 0),
@@ -73,6 +84,21 @@ MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", 
             "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
 _GLM4_MOE_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
                       "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0}
+# What transformers' config classes default to where config.json leaves a key out, per MoE model_type.
+MOE_DEFAULTS = {
+    "glm4_moe": _GLM4_MOE_DEFAULTS,
+    "glm4_moe_lite": {**_GLM4_MOE_DEFAULTS, "routed_scaling_factor": 1.8, "n_routed_experts": 64,
+                      "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
+    "glm_moe_dsa": {**_GLM4_MOE_DEFAULTS, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                    "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
+}
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+DSA_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
+_MLA_DEFAULTS = {"q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                 "v_head_dim": 256}
+_CLASS_DEFAULTS = {"glm4_moe_lite": _MLA_DEFAULTS,
+                   "glm_moe_dsa": {**_MLA_DEFAULTS, "q_lora_rank": 2048, "index_topk": 2048, "index_head_dim": 128,
+                                   "index_n_heads": 32}}
 # Router settings of the DeepSeek-V3 family that GLM-4.5's router (sigmoid, group-limited, bias-corrected)
 # does not take: a value other than the one named means a router we would not reproduce.
 _GLM4_MOE_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
@@ -85,10 +111,22 @@ def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
     if not cfg.tie_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
-        layer = MOE_LAYER_WEIGHTS if cfg.is_moe_layer(i) else LAYER_WEIGHTS[cfg.arch]
+        if cfg.layout.mla:
+            layer = _NORMS + _latent_attention_weights(cfg, i) + (_MOE_MLP if cfg.is_moe_layer(i) else _SWIGLU)
+        else:
+            layer = MOE_LAYER_WEIGHTS if cfg.is_moe_layer(i) else LAYER_WEIGHTS[cfg.arch]
         names += [f"model.layers.{i}.{n}" for n in layer
                   if (cfg.attention_bias or n not in _QKV_BIAS) and (cfg.qk_norm or n not in _QK_NORM)]
     return {n: n for n in names}
+
+
+def _latent_attention_weights(cfg: DecoderConfig, i: int) -> tuple[str, ...]:
+    names = (_MLA_Q_LATENT if cfg.q_lora_rank else ("self_attn.q_proj.weight",)) + _MLA_KV
+    if cfg.attention_bias:
+        names += tuple(n for n in _MLA_BIAS if cfg.q_lora_rank or "q_a_proj" not in n)
+    if cfg.layout.dsa and cfg.indexer_types[i] == "full":
+        names += _INDEXER
+    return names
 
 
 def expert_weight_names(cfg: DecoderConfig) -> dict[str, list[tuple[str, int | None]]]:
@@ -147,6 +185,14 @@ def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None
     if arch == "glm4_moe":
         extra |= {k: getattr(cfg, k) for k in MOE_KEYS} | {"use_qk_norm": cfg.qk_norm,
                                                            "num_nextn_predict_layers": cfg.num_nextn_predict_layers}
+    if cfg.layout.mla:
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        extra = {k: getattr(cfg, k) for k in MOE_KEYS + MLA_KEYS} | {
+            "q_lora_rank": cfg.q_lora_rank or None, "attention_bias": cfg.attention_bias,
+            "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+            "mlp_layer_types": ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_layers)]}
+        extra |= {k: getattr(cfg, k) for k in DSA_KEYS} | {"indexer_types": list(cfg.indexer_types)} if (
+            cfg.layout.dsa) else {"rope_interleave": True}
     config_class = getattr(transformers, HF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
     hf = config_class(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -182,6 +228,8 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if layout.mla:
+        return _latent_attention_config(hf, arch, source)
     if head_dim * heads != hf["hidden_size"] and not layout.moe:      # GLM-4.5: 96 heads × 128 over hidden 5120
         raise BaseModelError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}; "
                              "supported: head_dim = hidden_size / num_attention_heads (any head_dim in glm4_moe)")
@@ -203,6 +251,71 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
         qk_norm=bool(hf.get("use_qk_norm", False)) if "qk_norm" in layout.variable else None,
         **(_moe_fields(hf, source) if layout.moe else {}),
     )
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _latent_attention_config(hf: dict, arch: str, source: str) -> DecoderConfig:
+    """GLM-4.7-Flash (glm4_moe_lite) and GLM-5 (glm_moe_dsa): multi-head latent attention, experts, and in
+    glm_moe_dsa the DSA indexer; refused, naming the key, where our decoder would not reproduce them exactly."""
+    defaults = _CLASS_DEFAULTS[arch]
+    mla = {k: hf.get(k, defaults[k]) for k in MLA_KEYS}
+    if mla["q_lora_rank"] is None and arch == "glm4_moe_lite":
+        mla["q_lora_rank"] = 0                                  # one q_proj, no query latent
+    for key, value in mla.items():
+        if not (_positive_int(value) or (key == "q_lora_rank" and value == 0)):
+            need = "a positive integer" + (" (the DSA indexer reads the query latent)" if key == "q_lora_rank" else "")
+            raise BaseModelError(f"{source}: {key} {quote(value)} is not supported for model_type {quote(arch)}; "
+                                 f"supported: {need}")
+    heads = hf["num_attention_heads"]
+    if hf.get("num_key_value_heads", heads) != heads:
+        raise BaseModelError(f"{source}: num_key_value_heads {quote(hf['num_key_value_heads'])} != num_attention_heads "
+                             f"{heads}; supported: equal (latent attention expands one key / value per head)")
+    if arch == "glm4_moe_lite" and hf.get("rope_interleave", True) is not True:
+        raise BaseModelError(f"{source}: rope_interleave {quote(hf['rope_interleave'])} is not supported; supported: "
+                             "true (GLM-4.7-Flash's checkpoints rotate interleaved pairs)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} is not supported for model_type "
+                             f"{quote(arch)}; supported: 1.0 (qk_rope_head_dim is the rotated part)")
+    moe = _moe_fields(hf, source, arch)
+    dsa = {}
+    if arch == "glm_moe_dsa":
+        dsa = {k: hf.get(k, defaults[k]) for k in DSA_KEYS}
+        for key, value in dsa.items():
+            if not _positive_int(value):
+                raise BaseModelError(f"{source}: {key} {quote(value)} must be a positive integer for model_type "
+                                     "'glm_moe_dsa'")
+        dsa["indexer_types"] = _indexer_types(hf, source)
+    return DecoderConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=heads, intermediate_size=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        arch=arch, attention_bias=_attention_bias(hf, arch, source), partial_rotary_factor=1.0,
+        **mla, **moe, **dsa)
+
+
+def _indexer_types(hf: dict, source: str) -> tuple[str, ...]:
+    """glm_moe_dsa's per-layer indexer_types, or the schedule GlmMoeDsaConfig derives it from (index_topk_pattern,
+    else index_topk_freq / index_skip_topk_offset)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("indexer_types")
+    if types is None and hf.get("index_topk_pattern") is not None:
+        pattern = hf["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None:
+        freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types)
+            or types[0] != "full"):
+        raise BaseModelError(f"{source}: indexer_types {quote(types)} is not supported; supported: 'full' or 'shared' "
+                             f"for each of the {layers} layers, the first 'full'")
+    return tuple(types)
 
 
 def _arch(hf: dict, source: str) -> str:
@@ -232,7 +345,8 @@ def _check_attention_and_activation(hf: dict, arch: str, source: str) -> None:
             if hf.get(key):
                 raise BaseModelError(f"{source}: {key}={quote(hf[key])} (mixture of experts) is not supported for "
                                      f"model_type {quote(arch)}; supported: experts in glm4_moe (Glm4MoeForCausalLM)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+    own = "indexed_attention" if LAYOUTS[arch].dsa else "full_attention"
+    if hf.get("use_sliding_window") or any(t != own for t in hf.get("layer_types") or []):
         what = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types {quote(hf['layer_types'])}"
         raise BaseModelError(f"{source}: {what} (sliding-window attention) is not supported; "
                              "supported: full attention in every layer")
@@ -260,17 +374,20 @@ def _partial_rotary(hf: dict, arch: str, source: str):
     return partial
 
 
-def _moe_fields(hf: dict, source: str) -> dict:
-    """glm4_moe's expert settings, refused (naming the key) where GLM-4.5's router and experts would not be
-    reproduced exactly."""
+def _moe_fields(hf: dict, source: str, arch: str = "glm4_moe") -> dict:
+    """The expert settings of a GLM MoE model_type, refused (naming the key) where GLM-4.5's router and experts
+    (the same in GLM-4.7-Flash and GLM-5) would not be reproduced exactly."""
     for key, want in _GLM4_MOE_ROUTER.items():
         if key in hf and hf[key] != want:
-            raise BaseModelError(f"{source}: {key} {quote(hf[key])} is not supported for model_type 'glm4_moe'; "
+            raise BaseModelError(f"{source}: {key} {quote(hf[key])} is not supported for model_type {quote(arch)}; "
                                  f"supported: {want!r} (GLM-4.5's router)")
-    out = {k: hf.get(k, _GLM4_MOE_DEFAULTS.get(k)) for k in (*MOE_KEYS, "num_nextn_predict_layers")}
+    defaults = MOE_DEFAULTS[arch] if arch != "glm4_moe" else _GLM4_MOE_DEFAULTS   # glm4_moe: its keys are required
+    out = {k: hf.get(k, defaults.get(k)) for k in (*MOE_KEYS, "num_nextn_predict_layers")}
+    if LAYOUTS[arch].mla:
+        out["first_k_dense_replace"] = _dense_layers(hf, source, arch, defaults)
     for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise BaseModelError(f"{source}: {key} must be a positive integer for model_type 'glm4_moe' "
+            raise BaseModelError(f"{source}: {key} must be a positive integer for model_type {quote(arch)} "
                                  f"(got {quote(out[key])})")
     experts, groups, k = out["n_routed_experts"], out["n_group"], out["num_experts_per_tok"]
     if groups < 1 or experts % groups or experts // groups < 2:
@@ -283,6 +400,22 @@ def _moe_fields(hf: dict, source: str) -> dict:
         raise BaseModelError(f"{source}: first_k_dense_replace {quote(out['first_k_dense_replace'])} must be in "
                              f"0..num_hidden_layers ({hf['num_hidden_layers']})")
     return out
+
+
+def _dense_layers(hf: dict, source: str, arch: str, defaults: dict) -> int:
+    """How many leading layers keep a dense MLP, from mlp_layer_types (glm4_moe_lite's default: the first;
+    glm_moe_dsa's: first_k_dense_replace); a pattern other than dense-then-experts is refused."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        k = 1 if arch == "glm4_moe_lite" else hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
+        k = min(k, layers) if isinstance(k, int) else k
+        types = ["dense"] * k + ["sparse"] * (layers - k) if isinstance(k, int) else None
+    k = types.count("dense") if isinstance(types, list) else -1
+    if not isinstance(types, list) or len(types) != layers or types != ["dense"] * k + ["sparse"] * (layers - k):
+        raise BaseModelError(f"{source}: mlp_layer_types {quote(hf.get('mlp_layer_types'))} is not supported; "
+                             f"supported: 'dense' layers, then 'sparse' (experts) ones, {layers} in all")
+    return k
 
 
 def read_hf_config(path: Path) -> DecoderConfig:

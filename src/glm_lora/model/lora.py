@@ -30,10 +30,10 @@ import torch.nn as nn
 
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.errors import UserError
-from glm_lora.configs.schema import ALL_LINEAR, LoRAConfig     # "all-linear": PEFT's term for every linear projection
+from glm_lora.configs.schema import ALL_LINEAR, INDEXER_PROJECTIONS, LoRAConfig     # "all-linear": PEFT's term for every linear projection
 from glm_lora.kernels.moe import ExpertLoRA
 from glm_lora.kernels.reference import NF4_BLOCK
-from glm_lora.model.model import MLP, Attention, Experts
+from glm_lora.model.model import MLP, Attention, Experts, Indexer, LatentAttention
 from glm_lora.model.quant import NF4Weight, quantize_nf4
 
 
@@ -191,8 +191,12 @@ class LoRAExperts(nn.Module):
 
 
 def linear_names(model: nn.Module) -> list[str]:
+    """Every linear layer LoRA may wrap: not the output head, and not a DSA indexer's (it only chooses keys, without
+    gradients; frozen under LoRA as every peer trains GLM-5)."""
+    indexers = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Indexer))
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")
-            and not n.endswith((".lora_A", ".lora_B"))]
+            and not n.endswith((".lora_A", ".lora_B")) and not n.startswith(indexers)]
+
 
 
 def projection_paths(model: nn.Module) -> list[str]:
@@ -230,6 +234,11 @@ def target_names(model: nn.Module, target_modules: list[str] | str, key: str = "
     if target_modules == ALL_LINEAR:
         return paths
     unknown = [t for t in target_modules if not any(_matches(p, t) for p in paths)]
+    indexer = [t for t in unknown if t.rsplit(".", 1)[-1] in INDEXER_PROJECTIONS]
+    if indexer and any(isinstance(m, Indexer) for m in model.modules()):
+        raise LoRAConfigError(f"{key} {indexer} names the DSA indexer, which stays frozen (it only chooses each query's "
+                              f"keys, without gradients, as every GLM-5 trainer keeps it); supported: "
+                              f"{_target_vocabulary(paths)} or {ALL_LINEAR!r}")
     if unknown:
         arch = getattr(getattr(model, "config", None), "arch", None)
         layout = f" ({arch} layout)" if isinstance(arch, str) else ""
@@ -316,7 +325,7 @@ def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:
                 if isinstance(p, nn.Parameter) and not p.requires_grad:
                     p.data = p.data.to(dtype)
     for m in list(model.modules()):
-        if isinstance(m, (Attention, MLP)) and (siblings := m.siblings()):
+        if isinstance(m, (Attention, LatentAttention, MLP)) and (siblings := m.siblings()):
             share_frozen_storage(list(siblings))
 
 

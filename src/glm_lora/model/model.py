@@ -1,10 +1,12 @@
 """The glm-lora decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, mixture of experts — readable in
 one sitting.
 
-One decoder, six Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
+One decoder, eight Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
 Qwen3 (q/k RMSNorm), GLM (q/k/v bias, fused gate_up_proj, GLM's interleaved partial RoPE), GLM-4-0414
-(GLM plus a norm on each branch's output) and GLM-4.5 (glm4_moe: after `first_k_dense_replace` dense layers,
-each MLP is a mixture of routed experts plus shared experts; partial RoPE in halves, optional q/k norm).
+(GLM plus a norm on each branch's output), GLM-4.5 (glm4_moe: after `first_k_dense_replace` dense layers,
+each MLP is a mixture of routed experts plus shared experts; partial RoPE in halves, optional q/k norm),
+GLM-4.7-Flash (glm4_moe_lite: GLM-4.5's experts under multi-head latent attention, MLA) and GLM-5
+(glm_moe_dsa: MLA whose queries each attend only to the keys DeepSeek sparse attention's indexer picks).
 Module names follow transformers' classes of that layout exactly (model.layers.N.self_attn.q_proj,
 ...mlp.gate_up_proj, ...mlp.experts.gate_up_proj, ...) so the weight map in model/hf.py is one explicit list
 per architecture and PEFT adapter keys line up.
@@ -33,6 +35,8 @@ class Layout:
     sandwich_norms: bool = False         # post_self_attn_layernorm / post_mlp_layernorm on each branch's output
     rope_interleaved: bool = False       # RoPE rotates pairs (x0, x1), (x2, x3)… instead of halves
     moe: bool = False                    # layers ≥ first_k_dense_replace: routed + shared experts (MoE below)
+    mla: bool = False                    # multi-head latent attention (LatentAttention below)
+    dsa: bool = False                    # MLA reads only the keys its indexer selects (Indexer below)
 
 
 _GLM = dict(attention_bias=True, partial_rotary_factor=0.5, variable=("attention_bias", "partial_rotary_factor"),
@@ -45,7 +49,11 @@ LAYOUTS = {
     "glm4": Layout(**_GLM, sandwich_norms=True),         # GLM-4-0414 (Glm4ForCausalLM)
     "glm4_moe": Layout(partial_rotary_factor=0.5, moe=True,   # GLM-4.5/4.6/4.7 (Glm4MoeForCausalLM)
                        variable=("attention_bias", "partial_rotary_factor", "qk_norm")),
+    "glm4_moe_lite": Layout(moe=True, mla=True, rope_interleaved=True, variable=("attention_bias",)),  # GLM-4.7-Flash
+    "glm_moe_dsa": Layout(moe=True, mla=True, dsa=True, rope_interleaved=True,                        # GLM-5 / 5.1 / 5.2
+                          variable=("attention_bias",)),
 }
+INDEXER_TYPES = ("full", "shared")      # a DSA layer runs its indexer, or reuses the previous full layer's choice
 
 
 @dataclass
@@ -77,13 +85,29 @@ class DecoderConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    num_nextn_predict_layers: int = 0            # GLM-4.5's MTP layers: carried for export, not run (model/hf.py)
+    num_nextn_predict_layers: int = 0            # GLM's MTP layers: carried for export, not run (model/hf.py)
+    # Multi-head latent attention (layout.mla; transformers' DeepSeek-V3 names): queries from a q_lora_rank latent
+    # (0: one q_proj), keys and values from one kv_lora_rank latent plus a qk_rope_head_dim key shared by the heads;
+    # each head's key is [nope | rope], its value v_head_dim wide. head_dim is the rotated qk_rope_head_dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek sparse attention (layout.dsa): each query attends to the index_topk keys its indexer scores highest
+    # (index_n_heads heads of index_head_dim); per layer, indexer_types says "full" (own indexer) or "shared".
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    indexer_types: tuple[str, ...] = ()
 
     def __post_init__(self):
-        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         if self.arch not in LAYOUTS:
             raise ValueError(f"arch {self.arch!r} is not supported; supported: {', '.join(LAYOUTS)}")
         layout = LAYOUTS[self.arch]
+        if layout.mla:
+            self._check_mla(layout)
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         for key in ("attention_bias", "partial_rotary_factor", "qk_norm"):
             if getattr(self, key) is None:
                 setattr(self, key, getattr(layout, key))
@@ -100,9 +124,30 @@ class DecoderConfig:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} × head_dim {self.head_dim} must "
                              "give an even number of rotated dims")
 
+    def _check_mla(self, layout: Layout) -> None:
+        self.head_dim, self.num_kv_heads = self.qk_rope_head_dim, self.num_heads   # keys: one per head, from the latent
+        dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if any(getattr(self, k) < 1 for k in dims) or self.q_lora_rank < 0:
+            raise ValueError(f"arch {self.arch} needs {', '.join(dims)} ≥ 1 (q_lora_rank ≥ 0)")
+        if not layout.dsa:
+            return
+        self.indexer_types = tuple(self.indexer_types) or ("full",) * self.num_layers
+        if (len(self.indexer_types) != self.num_layers or set(self.indexer_types) - set(INDEXER_TYPES)
+                or self.indexer_types[0] != "full"):
+            raise ValueError(f"indexer_types needs one of {INDEXER_TYPES} per layer ({self.num_layers}), the first "
+                             f"'full' (a shared layer reuses an earlier full layer's choice); got {self.indexer_types}")
+        if min(self.index_topk, self.index_head_dim, self.index_n_heads, self.q_lora_rank) < 1 or (
+                self.index_head_dim < self.qk_rope_head_dim):
+            raise ValueError(f"arch {self.arch} needs index_topk, index_n_heads, q_lora_rank ≥ 1 and index_head_dim ≥ "
+                             "qk_rope_head_dim (the indexer reads the query latent and rotates its first dims)")
+
     @property
     def layout(self) -> Layout:
         return LAYOUTS[self.arch]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.layout.mla else self.head_dim
 
     def is_moe_layer(self, i: int) -> bool:
         return self.layout.moe and i >= self.first_k_dense_replace
@@ -112,12 +157,13 @@ class DecoderConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"indexer_types": list(self.indexer_types)}      # as JSON holds it
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderConfig":
         """Tolerant: unknown keys are dropped; checkpoints from before `arch` say `qk_norm` instead."""
         d = dict(d)
+        d["indexer_types"] = tuple(d.get("indexer_types") or ())
         if "arch" not in d:
             d["arch"] = "qwen3" if d.get("qk_norm") else "llama"
         known = {f.name for f in fields(cls)}
@@ -168,10 +214,13 @@ class KVCache:
     def __init__(self, slots: int):
         self.slots, self.k, self.v = slots, [], []     # per layer: (B, Hkv, slots, D)
         self.positions, self.prefill = None, True
+        self.index_keys: dict[int, torch.Tensor] = {}  # DSA: per full layer, its indexer's keys (B, slots, D)
+        self.chosen: dict[int, torch.Tensor] = {}      # DSA: per full layer, this forward's key choice (B, 1, T, S)
 
     def start(self, position_ids: torch.Tensor):
         """Called once per forward: None while prefilling (causal), else the (B, 1, T, slots) bool mask."""
         self.prefill, self.positions = not self.k, position_ids
+        self.chosen = {}
         if self.prefill:
             return None
         return (torch.arange(self.slots, device=position_ids.device) <= position_ids[..., None])[:, None]
@@ -182,10 +231,17 @@ class KVCache:
             # come out of the fp32 RMSNorm, values in bf16; CUDA attention casts both to bf16 (the CPU's stays fp32)
             self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1], dtype=_attention_dtype(k)))
             self.v.append(v.new_zeros(*v.shape[:2], self.slots, v.shape[-1], dtype=_attention_dtype(v)))
-        where = self.positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-        self.k[layer].scatter_(2, where, k.to(self.k[layer].dtype))
-        self.v[layer].scatter_(2, where, v.to(self.v[layer].dtype))
+        at = self.positions[:, None, :, None]
+        self.k[layer].scatter_(2, at.expand(-1, k.shape[1], -1, k.shape[-1]), k.to(self.k[layer].dtype))
+        self.v[layer].scatter_(2, at.expand(-1, v.shape[1], -1, v.shape[-1]), v.to(self.v[layer].dtype))
         return (k, v) if self.prefill else (self.k[layer], self.v[layer])
+
+    def update_index(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Store a DSA indexer's keys k (B, T, D) at this forward's positions; return what its queries score."""
+        if layer not in self.index_keys:
+            self.index_keys[layer] = k.new_zeros(k.shape[0], self.slots, k.shape[-1])
+        self.index_keys[layer].scatter_(1, self.positions[..., None].expand(-1, -1, k.shape[-1]), k)
+        return k if self.prefill else self.index_keys[layer]
 
 
 def stacks(x: torch.Tensor, *linears: nn.Module) -> bool:
@@ -252,6 +308,153 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)
+
+
+def longest_document(doc_ids: torch.Tensor) -> int:
+    """The most tokens any one document (a run of equal ids in a row) has in packed rows (B, T); one host sync."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    begin = torch.nonzero(starts.flatten()).flatten()
+    ends = torch.cat([begin[1:], begin.new_tensor([B * T])])
+    row_ends = (begin // T + 1) * T               # a run stops at its row's end too
+    return int(torch.minimum(ends, row_ends).sub(begin).max())
+
+
+class KeySelection:
+    """One forward's DeepSeek sparse attention state: the packed rows' documents (None: one per row) and each full
+    indexer layer's choice of keys (B, T, K), which the shared layers after it reuse. Passed to the layers in place
+    of the attention mask when some document is longer than index_topk (else the dense mask is exact)."""
+
+    def __init__(self, doc_ids: torch.Tensor | None):
+        self.doc_ids = doc_ids
+        self.chosen: dict[int, torch.Tensor] = {}
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """DSA's lightning indexer: score[b, t, s] = Σ_h weights[b, t, h] · relu(scale · q[b, t, h] · k[b, s]), in fp32.
+    q (B, T, H, D), k (B, S, D), weights (B, T, H) → (B, T, S) (transformers' GlmMoeDsaIndexer)."""
+    scores = torch.einsum("bthd,bsd->bths", q.float(), k.float()).mul_(scale).relu_()
+    return torch.einsum("bth,bths->bts", weights.float(), scores)
+
+
+class Indexer(nn.Module):
+    """GLM-5's DSA indexer (transformers' GlmMoeDsaIndexer): queries from the attention's query latent (wq_b), one
+    shared LayerNorm'd key (wk, k_norm), per-head weights from the hidden state (weights_proj), the first
+    qk_rope_head_dim dims rotated (interleaved). Frozen under LoRA, as every peer trains GLM-5: it runs without
+    gradients and only chooses keys."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    @torch.no_grad()
+    def queries_and_keys(self, x, q_latent, cos, sin):
+        """q (B, T, H, D), k (B, T, D), weights (B, T, H)."""
+        B, T, _ = x.shape
+        q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.wk(x))[:, None]
+        q, k = kernels.apply_rope(q, k, cos, sin, interleaved=True)     # the first qk_rope_head_dim dims
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q.transpose(1, 2), k[:, 0], weights
+
+    @torch.no_grad()
+    def choose(self, x, q_latent, cos, sin, doc_ids) -> torch.Tensor:
+        """Each query's top-k keys (B, T, min(index_topk, T)) among the earlier ones of its document, -1 past the
+        allowed ones; scored in query tiles (kernels.index_topk), never a T × T matrix."""
+        q, k, weights = self.queries_and_keys(x, q_latent, cos, sin)
+        return kernels.index_topk(q, k, weights, doc_ids, self.topk, self.head_dim ** -0.5)
+
+    @torch.no_grad()
+    def choose_cached(self, x, q_latent, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
+        """Decoding: the new tokens' choice among every cached position, as a bool mask (B, 1, T, S) within `mask`
+        (the cache's; None while prefilling: causal)."""
+        q, k, weights = self.queries_and_keys(x, q_latent, cos, sin)
+        keys = cache.update_index(layer, k)
+        scores = indexer_scores(q, keys, weights, self.head_dim ** -0.5)            # (B, T, S)
+        if mask is None:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).tril()[None, None]
+        scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+        top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1)
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+        return chosen[:, None]
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3; GLM-4.7-Flash, GLM-5; transformers' DeepseekV3Attention names).
+
+    Queries: q_a_proj → q_a_layernorm → q_b_proj (or one q_proj without a query latent). Keys and values:
+    kv_a_proj_with_mqa gives a kv_lora_rank latent and one rotated key slice every head shares; kv_a_layernorm →
+    kv_b_proj expands the latent into each head's [k_nope | v]. A head's key is [k_nope | k_rope] (qk_head_dim),
+    its value v_head_dim wide; RoPE (interleaved pairs) turns the rope slices; softmax scale qk_head_dim^-½.
+    With DSA (glm_moe_dsa) each query attends only to the keys the layer's indexer chose (a "shared" layer takes the
+    previous full layer's choice): `mask` is then a KeySelection and attention is kernels.sparse_attention."""
+
+    def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.kv_rank = cfg.num_heads, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        C, H, bias = cfg.hidden_size, cfg.num_heads, cfg.attention_bias
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(C, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)           # transformers' default eps, not the config's
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(C, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(C, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, C, bias=bias)
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.dsa = cfg.layout.dsa
+        if self.dsa and cfg.indexer_types[layer_idx] == "full":
+            self.indexer = Indexer(cfg)
+        # the full layer whose choice this one takes (itself if full)
+        self.chooser = max(i for i in range(layer_idx + 1) if cfg.indexer_types[i] == "full") if self.dsa else None
+
+    def siblings(self) -> tuple[nn.Module, ...]:
+        """The projections of x: the query (latent) and the key/value latent, one op where they `stacks`."""
+        return (self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj), self.kv_a_proj_with_mqa
+
+    def reads_input_once(self, x) -> bool:
+        return not hasattr(self, "indexer") and stacks(x, *self.siblings())   # the indexer reads x as well
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
+        B, T, _ = x.shape
+        H = self.n_heads
+        q, kv_a = project(x, *self.siblings())
+        q_latent = None
+        if hasattr(self, "q_a_proj"):
+            q_latent = self.q_a_layernorm(q)
+            q = self.q_b_proj(q_latent)
+        q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)                 # (B, H, T, nope + rope)
+        latent, k_rope = kv_a.split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        q_rope, k_rope = kernels.apply_rope(q_rope, k_rope.view(B, T, 1, self.rope).transpose(1, 2), cos, sin,
+                                            interleaved=True)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(B, H, T, self.rope)), dim=-1)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+            if self.dsa:
+                if hasattr(self, "indexer"):
+                    cache.chosen[self.layer_idx] = self.indexer.choose_cached(x, q_latent, cos, sin, cache,
+                                                                              self.layer_idx, mask)
+                mask = cache.chosen[self.chooser]
+        if isinstance(mask, KeySelection):
+            if hasattr(self, "indexer"):
+                mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask.doc_ids)
+            y = kernels.sparse_attention(q, k, v, mask.chosen[self.chooser], self.scale)
+        else:
+            y = kernels.attention(q, k, v, mask)                                   # (B, H, T, v_head_dim)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
 
 class MLP(nn.Module):
@@ -358,7 +561,7 @@ class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = LatentAttention(cfg, layer_idx) if cfg.layout.mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # (pre-MLP, despite its name)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         if cfg.layout.sandwich_norms:   # GLM-4-0414: each branch's output is normalised before the residual add
@@ -428,6 +631,7 @@ class Decoder(nn.Module):
         # Weights a checkpoint holds that this forward does not run (GLM-4.5's MTP layers, HF names): carried
         # from import to export unchanged (model/hf.py). Plain tensors: no parameter, no state dict entry.
         self.carried: dict[str, torch.Tensor] = {}
+        self.attention_paths: dict[str, int] = {}   # DSA: forwards per path ("dense", "sparse"), see hidden_states
 
     @staticmethod
     def _init_weights(m: nn.Module):
@@ -457,6 +661,8 @@ class Decoder(nn.Module):
         mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs)
         if cache is not None:
             mask = cache.start(position_ids)
+        elif cfg.layout.dsa and self.sparse_attention_pays(input_ids, doc_ids, prefix_docs):
+            mask = KeySelection(doc_ids)
         x, h = self.model.embed_tokens(input_ids), None                           # (B, T, C); h: see Block
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
@@ -465,6 +671,19 @@ class Decoder(nn.Module):
             else:
                 x, h = layer(x, h, cos, sin, mask, cache)
         return self.model.norm.add(x, h)[1]
+
+    def sparse_attention_pays(self, input_ids, doc_ids, prefix_docs) -> bool:
+        """DSA: whether this forward takes the sparse path (each query its index_topk chosen keys) or the dense one,
+        which is exact while no document is longer than index_topk (every earlier key is then chosen). Counted in
+        `attention_paths` for the stage metrics."""
+        T = input_ids.shape[1]
+        sparse = T > self.config.index_topk and (doc_ids is None or longest_document(doc_ids) > self.config.index_topk)
+        if sparse and prefix_docs is not None:
+            raise NotImplementedError("DeepSeek sparse attention over rows that share prompts (data.packing): "
+                                      "documents longer than index_topk need packing without shared prompts")
+        path = "sparse" if sparse else "dense"
+        self.attention_paths[path] = self.attention_paths.get(path, 0) + 1
+        return sparse
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -52,6 +52,8 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
                   out_dir, window_metrics=health.end_window if health else None)
     if health:
         metrics["router"] = health.summary()
+    if model.attention_paths:   # DSA: forwards on the dense path (no document past index_topk) and on the sparse one
+        metrics["attention_paths"] = dict(model.attention_paths)
     model = consolidated(model, rt, lambda: _with_lora(Decoder(model.config), tc.lora))   # None off rank 0
     if model is None:
         return metrics

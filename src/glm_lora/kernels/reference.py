@@ -237,7 +237,7 @@ def sparse_attention(q, k, v, index, scale):
 
 
 @torch.no_grad()
-def index_topk(q, k, weights, doc_ids, topk, scale, chunk=1024):
+def index_topk(q, k, weights, doc_ids, topk, scale, chunk=1024, prefix_docs=None):
     B, T, H, D = q.shape
     K = min(topk, T)
     out = torch.empty(B, T, K, dtype=torch.long, device=q.device)
@@ -250,6 +250,8 @@ def index_topk(q, k, weights, doc_ids, topk, scale, chunk=1024):
         allowed = allowed[None]
         if doc_ids is not None:
             allowed = allowed & (doc_ids[:, s:e, None] == doc_ids[:, None, :])
+        if prefix_docs is not None:
+            allowed = allowed | (prefix_docs[:, s:e, None] == doc_ids[:, None, :])
         sc = sc.masked_fill(~allowed, float("-inf"))
         top = sc.topk(K, dim=-1)
         out[:, s:e] = top.indices.masked_fill(top.values == float("-inf"), -1)

@@ -78,5 +78,16 @@ def vllm_unservable(adapter_dir: Path) -> str | None:
     if (Path(adapter_dir) / BASE_QUANTIZATION).is_file():
         return ("it was trained on a 4-bit (nf4) base, so on a full-precision base it is not the model that was "
                 "trained; its merged form (merged into the dequantised base) is served instead")
-    saved = json.loads(config.read_text()).get("modules_to_save")
-    return f"it trains {', '.join(saved)} in full (modules_to_save), which vLLM refuses" if saved else None
+    config = json.loads(config.read_text())
+    saved = config.get("modules_to_save")
+    if saved:
+        return f"it trains {', '.join(saved)} in full (modules_to_save), which vLLM refuses"
+    if "kv_b_proj" in (config.get("target_modules") or []):
+        return KV_B_PROJ_IGNORED
+    return None
+
+
+# vLLM's latent attention (GLM-4.7-Flash, GLM-5) decodes with kv_b_proj folded into the other weights at load, so a
+# LoRA on kv_b_proj is accepted and never applied: served as a LoRA, the model would silently not be the trained one.
+KV_B_PROJ_IGNORED = ("it adapts kv_b_proj, whose LoRA vLLM accepts and never applies (its latent attention decodes "
+                     "with kv_b_proj folded into other weights at load); its merged form is served instead")

@@ -326,8 +326,8 @@ class KeySelection:
     indexer layer's choice of keys (B, T, K), which the shared layers after it reuse. Passed to the layers in place
     of the attention mask when some document is longer than index_topk (else the dense mask is exact)."""
 
-    def __init__(self, doc_ids: torch.Tensor | None):
-        self.doc_ids = doc_ids
+    def __init__(self, doc_ids: torch.Tensor | None, prefix_docs: torch.Tensor | None = None):
+        self.doc_ids, self.prefix_docs = doc_ids, prefix_docs      # prefix_docs: the shared prompt each token reads
         self.chosen: dict[int, torch.Tensor] = {}
 
 
@@ -363,11 +363,12 @@ class Indexer(nn.Module):
         return q.transpose(1, 2), k[:, 0], weights
 
     @torch.no_grad()
-    def choose(self, x, q_latent, cos, sin, doc_ids) -> torch.Tensor:
-        """Each query's top-k keys (B, T, min(index_topk, T)) among the earlier ones of its document, -1 past the
-        allowed ones; scored in query tiles (kernels.index_topk), never a T × T matrix."""
+    def choose(self, x, q_latent, cos, sin, selection: "KeySelection") -> torch.Tensor:
+        """Each query's top-k keys (B, T, min(index_topk, T)) among the earlier ones of its document (and its shared
+        prompt's), -1 past the allowed ones; scored in query tiles (kernels.index_topk), never a T × T matrix."""
         q, k, weights = self.queries_and_keys(x, q_latent, cos, sin)
-        return kernels.index_topk(q, k, weights, doc_ids, self.topk, self.head_dim ** -0.5)
+        return kernels.index_topk(q, k, weights, selection.doc_ids, self.topk, self.head_dim ** -0.5,
+                                  prefix_docs=selection.prefix_docs)
 
     @torch.no_grad()
     def choose_cached(self, x, q_latent, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
@@ -450,7 +451,7 @@ class LatentAttention(nn.Module):
                 mask = cache.chosen[self.chooser]
         if isinstance(mask, KeySelection):
             if hasattr(self, "indexer"):
-                mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask.doc_ids)
+                mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask)
             y = kernels.sparse_attention(q, k, v, mask.chosen[self.chooser], self.scale)
         else:
             y = kernels.attention(q, k, v, mask)                                   # (B, H, T, v_head_dim)
@@ -662,7 +663,7 @@ class Decoder(nn.Module):
         if cache is not None:
             mask = cache.start(position_ids)
         elif cfg.layout.dsa and self.sparse_attention_pays(input_ids, doc_ids, prefix_docs):
-            mask = KeySelection(doc_ids)
+            mask = KeySelection(doc_ids, prefix_docs)
         x, h = self.model.embed_tokens(input_ids), None                           # (B, T, C); h: see Block
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
@@ -676,11 +677,9 @@ class Decoder(nn.Module):
         """DSA: whether this forward takes the sparse path (each query its index_topk chosen keys) or the dense one,
         which is exact while no document is longer than index_topk (every earlier key is then chosen). Counted in
         `attention_paths` for the stage metrics."""
-        T = input_ids.shape[1]
-        sparse = T > self.config.index_topk and (doc_ids is None or longest_document(doc_ids) > self.config.index_topk)
-        if sparse and prefix_docs is not None:
-            raise NotImplementedError("DeepSeek sparse attention over rows that share prompts (data.packing): "
-                                      "documents longer than index_topk need packing without shared prompts")
+        T = input_ids.shape[1]    # a shared prompt's answers read it as well: then the whole row is what may not fit
+        longest = T if doc_ids is None or prefix_docs is not None else longest_document(doc_ids)
+        sparse = T > self.config.index_topk and longest > self.config.index_topk
         path = "sparse" if sparse else "dense"
         self.attention_paths[path] = self.attention_paths.get(path, 0) + 1
         return sparse

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from glm_lora.artifacts.manifest import is_complete, read_manifest
 from glm_lora.configs.errors import UserError
-from glm_lora.configs.schema import Config, ServeConfig
+from glm_lora.configs.schema import ALL_LINEAR, Config, ServeConfig
 from glm_lora.serve.deploy import RECORD, GateFailed, promote
 
 __all__ = ["GateFailed", "api_key", "promote_export", "run", "serve", "serving_notes"]   # GateFailed: the stage's gate error
@@ -47,13 +47,21 @@ def serving_notes(cfg: Config) -> list[str]:
     first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs."""
     if not (cfg.serve.enabled and cfg.serve.adapters and cfg.base_model):
         return []
+    from glm_lora.model.adapters import KV_B_PROJ_IGNORED
     from glm_lora.model.hf import read_hf_config
     from glm_lora.serve.deploy import CPU_MOE_LORA
     from glm_lora.serve.vllm_server import vllm_device
-    if read_hf_config(cfg.base_model).layout.moe and vllm_device() == "cpu":
+    layout = read_hf_config(cfg.base_model).layout
+    if layout.moe and vllm_device() == "cpu":
         return [f"serve.adapters: the SFT and DPO adapters will not be served as LoRAs: {CPU_MOE_LORA} "
                 f"(as `{cfg.run_name}`)"]
-    return []
+    notes = []
+    for stage in ("sft", "dpo"):
+        targets = getattr(cfg, stage).lora.target_modules
+        if layout.mla and (targets == ALL_LINEAR or "kv_b_proj" in targets):
+            notes.append(f"{stage}.lora.target_modules reaches kv_b_proj: the {stage.upper()} adapter will not be "
+                         f"served as a LoRA: {KV_B_PROJ_IGNORED} (leave kv_b_proj out to serve it as a LoRA)")
+    return notes
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:

@@ -10,7 +10,10 @@ Counted (a model of the base's layout on the meta device, so every parameter is 
   adapter         4 (fp32 weight) + 4 (gradient) + 8 (AdamW's two moments) = 16 bytes per trainable parameter
   activations     an estimate, not a count: tokens × layers × (34·C + 5·k·I_moe) × 2 bytes without activation
                   checkpointing (Korthikanti et al. 2022's 34·s·b·h per layer for attention + MLP, plus the
-                  routed experts' k gate/up/down rows), tokens × layers × C × 2 with it (one block recomputed)
+                  routed experts' k gate/up/down rows), tokens × layers × C × 2 with it (one block recomputed);
+                  latent attention (GLM-4.7-Flash, GLM-5) adds each head's expanded keys and values and their
+                  gradients, 3·H·(qk_head_dim + v_head_dim) per token and layer; DSA's sparse path keeps each full
+                  indexer layer's chosen key positions for the backward (index_topk × 8 bytes per token)
 Routed experts are never split between GPUs by DDP; FSDP2 shards each block's stacked expert weights on the
 expert dim (every rank holds E/N experts between all-gathers: tests/engine/test_dist.py).
 """
@@ -42,14 +45,16 @@ def lora_memory(layout: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, *, wor
     shard = world_size if sharded else 1
     tokens = tc.batch_size * tc.seq_len
     k, inter = layout.num_experts_per_tok, layout.moe_intermediate_size
+    mla = 3 * layout.num_heads * (layout.qk_head_dim + layout.v_head_dim) if layout.layout.mla else 0
     per_token_layer = (layout.hidden_size if tc.activation_checkpointing
-                       else 34 * layout.hidden_size + 5 * k * inter) * 2
+                       else 34 * layout.hidden_size + 5 * k * inter + mla) * 2
+    full_indexers = sum(t == "full" for t in layout.indexer_types) if tc.seq_len > layout.index_topk else 0
     largest_block = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers)
     out = {"frozen_weights": (frozen * frozen_bytes + nf4 * 0.52) / shard,
            "routed_experts_of_those": experts * frozen_bytes / shard,
            "gathered_blocks": 2 * largest_block * 2 if sharded else 0,     # this block + the prefetched next, bf16
            "adapter_and_optimizer": trainable * 16 / shard,
-           "activations_estimate": tokens * layout.num_layers * per_token_layer}
+           "activations_estimate": tokens * (layout.num_layers * per_token_layer + full_indexers * layout.index_topk * 8)}
     out["total"] = sum(v for k, v in out.items() if k != "routed_experts_of_those")
     return out
 

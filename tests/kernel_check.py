@@ -137,3 +137,24 @@ def lora_inputs(lead: tuple[int, ...], k: int, n: int, r: int, dtype: torch.dtyp
 def masked_lora_reference(x, w, a, b, scale: float, keep: torch.Tensor, p: float) -> torch.Tensor:
     """reference.lora_linear with F.dropout's random mask replaced by `keep` (rows × in bool)."""
     return F.linear(x, w) + scale * F.linear(F.linear(x * keep.view(x.shape) / (1 - p), a), b)
+
+
+def sparse_index(B: int, T: int, K: int, seed: int, *, drop: float = 0.3, doc_ids: torch.Tensor | None = None,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random DSA indices (B, T, K) int64 for sparse attention: each query lists up to K distinct keys at or before it
+    (in its document when `doc_ids` (B, T) is given), its own position always among them; about `drop` of the others
+    are -1 instead, and each row is shuffled, so padding sits anywhere. Builds a T × T draw: test sizes only."""
+    g = torch.Generator(device).manual_seed(seed)
+    pos = torch.arange(T, device=device)
+    allowed = (pos[None, :] <= pos[:, None])[None].expand(B, T, T)
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    draw = torch.rand(B, T, T, generator=g, device=device)
+    draw = draw.masked_fill(~allowed, -1.0).masked_fill(pos[None, :] == pos[:, None], 2.0)    # own key first
+    values, index = draw.topk(min(K, T), dim=-1)
+    keep = (values >= 0) & ((values > 1.0) | (torch.rand(values.shape, generator=g, device=device) >= drop))
+    index = torch.where(keep, index, -1)
+    if K > T:
+        index = torch.cat([index, index.new_full((B, T, K - T), -1)], dim=-1)
+    order = torch.rand(B, T, K, generator=g, device=device).argsort(dim=-1)
+    return index.gather(-1, order)

@@ -55,7 +55,8 @@ _MODULES = {"rms_norm": "triton_rms_norm", "add_rms_norm": "triton_rms_norm", "a
             "swiglu": "triton_swiglu", "swiglu_halves": "triton_swiglu",
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4",
-            "grouped_mm": "triton_grouped_mm", "grouped_lora_mm": "triton_grouped_mm"}
+            "grouped_mm": "triton_grouped_mm", "grouped_lora_mm": "triton_grouped_mm",
+            "sparse_attention": "triton_sparse_attention"}
 _BACKEND, _ATTENTION = "auto", "auto"     # what the ops below dispatch on; set by use() / using()
 
 
@@ -199,6 +200,15 @@ def grouped_lora_mm(x, w, a, b, scale, offsets):
     return _impl("grouped_lora_mm", x)(x, w, a, b, scale, offsets)
 
 
+def sparse_attention(q, k, v, index, scale):
+    """DeepSeek sparse attention (GLM-5's DSA): softmax(scale · q kᵀ over the keys `index` lists per query) · v.
+    q (B, Hq, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), index (B, T, K) key positions (-1: none) → (B, Hq, T, Dv).
+    The Triton kernel (kernels/triton_sparse_attention.py, O(T·K) memory) on CUDA under "auto"; the reference
+    elsewhere is transformers' masked-dense form (a T × T mask: tiny shapes only)."""
+    return _impl("sparse_attention", q)(q, k, v, index, scale)
+
+
+index_topk = reference.index_topk           # DSA's indexer top-k, chunked torch on every device (no_grad)
 rope_cos_sin = reference.rope_cos_sin
 moe_experts = moe.moe_experts               # grouped_mm / grouped_lora_mm around the MoE routing (kernels/moe.py)
 nf4_lora_linear = qlora.nf4_lora_linear     # torch GEMMs around W rebuilt by dequantize_nf4 (above)
@@ -289,10 +299,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
         from glm_lora.kernels import flex
         return flex.attention(q, k, v, mask)
     return reference.attention(q, k, v, mask)
-
-
-def sparse_attention(q, k, v, index, scale):   # TEMPORARY
-    return reference.sparse_attention(q, k, v, index, scale)
-
-
-index_topk = reference.index_topk   # TEMPORARY

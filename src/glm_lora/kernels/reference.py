@@ -224,35 +224,117 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     safe = labels.masked_fill(~mask, 0)
     logp = torch.gather(logits.log_softmax(-1), -1, safe[..., None]).squeeze(-1)
     return logp * mask
-# TEMPORARY: replaced by the helper's versions on merge
-def sparse_attention(q, k, v, index, scale):
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    mask = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
-    mask.scatter_(-1, torch.where(index >= 0, index, S).long(), True)
-    mask = mask[..., :S]
-    with torch.autocast(q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale)
-    return out.to(q.dtype)
+
+
+# --- DeepSeek sparse attention (DSA, GLM-5): the indexer's top-k keys and attention over them -------------------
+
+def sparse_index_mask(index: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """index (B, T, K) key positions per query (-1: none) → (B, 1, T, num_keys) bool mask, True at the listed keys.
+
+    The dense form transformers builds from the indexer's top-k (GlmMoeDsaAttention: a scatter into a T × T mask);
+    O(T²) memory, for the reference and the tests only."""
+    B, T, _ = index.shape
+    valid = index >= 0
+    # -1 entries scatter into a spare last column, dropped after: one scatter, no per-entry branching
+    slots = torch.where(valid, index, num_keys).long()
+    mask = torch.zeros(B, T, num_keys + 1, dtype=torch.bool, device=index.device)
+    mask.scatter_(-1, slots, True)
+    return mask[:, None, :, :num_keys]
+
+
+def check_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+    """The sparse attention ops' argument rules (ValueError naming the broken one)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or index.dim() != 3:
+        raise ValueError(f"sparse_attention: q, k, v must be (B, H, T, D) and index (B, T, K), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(index.shape)}")
+    (B, Hq, T, Dk), Hkv = q.shape, k.shape[1]
+    if k.shape != (B, Hkv, T, Dk) or v.shape[:3] != (B, Hkv, T) or Hq % Hkv:
+        raise ValueError(f"sparse_attention: k (B, Hkv, T, Dk) and v (B, Hkv, T, Dv) must match q {tuple(q.shape)} "
+                         f"with Hq a multiple of Hkv, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if index.shape[:2] != (B, T) or index.dtype.is_floating_point or index.dtype == torch.bool:
+        raise ValueError(f"sparse_attention: index must be (B, T, K) = ({B}, {T}, K) integers, "
+                         f"got {tuple(index.shape)} {index.dtype}")
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(scale · q kᵀ over the keys each query lists) · v: DSA's attention, as transformers' masked dense form.
+
+    q (B, Hq, T, Dk); k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), Hq a multiple of Hkv (query head h reads kv head
+    h // (Hq / Hkv); Hkv = 1 is absorbed MLA's one shared latent key); index (B, T, K) key positions per query,
+    shared by all heads, distinct, -1 = none, at least one valid per query → (B, Hq, T, Dv) in q's dtype.
+
+    The dense bool mask scattered from `index` and masked attention over all T keys, in fp32 (float64 stays
+    float64): O(T²) memory, the semantics `kernels.triton_sparse_attention` must match. Autograd gives the
+    gradients. `sparse_attention_gathered` is the same math in O(T·K) memory."""
+    check_sparse_attention(q, k, v, index)
+    (B, Hq, T, Dk), Hkv = q.shape, k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    # (B, Hkv, G, T, D) query heads grouped under their kv head: k, v broadcast over the group, no repeat
+    qg = q.to(dtype).view(B, Hkv, Hq // Hkv, T, Dk)
+    scores = qg @ k.to(dtype)[:, :, None].transpose(-1, -2) * scale
+    scores = scores.masked_fill(~sparse_index_mask(index, T)[:, :, None], float("-inf"))
+    out = scores.softmax(-1) @ v.to(dtype)[:, :, None]
+    return out.view(B, Hq, T, -1).to(q.dtype)
+
+
+def sparse_attention_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """`sparse_attention` computed over the gathered keys, (B, Hkv, T, K, D) rows: O(T·K) memory, no T × T
+    mask; the same fp32 math (each query's softmax over its K listed keys), differentiable by autograd."""
+    check_sparse_attention(q, k, v, index)
+    (B, Hq, T, Dk), Hkv, K = q.shape, k.shape[1], index.shape[-1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    valid = index >= 0
+    rows = index.clamp(min=0).long().view(B, 1, T * K, 1)
+
+    def gather(x):                                   # (B, Hkv, T, D) → (B, Hkv, T, K, D), each query's listed rows
+        return x.to(dtype).gather(2, rows.expand(B, Hkv, T * K, x.shape[-1])).view(B, Hkv, T, K, x.shape[-1])
+    qg = q.to(dtype).view(B, Hkv, Hq // Hkv, T, 1, Dk)
+    scores = (qg @ gather(k)[:, :, None].transpose(-1, -2)).squeeze(-2) * scale        # (B, Hkv, G, T, K)
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    out = (scores.softmax(-1)[..., None, :] @ gather(v)[:, :, None]).squeeze(-2)
+    return out.view(B, Hq, T, -1).to(q.dtype)
+
+
+INDEX_CHUNK_BYTES = 1 << 30      # the default chunk keeps index_topk's fp32 (B, chunk, H, T) scores under 1 GiB
 
 
 @torch.no_grad()
-def index_topk(q, k, weights, doc_ids, topk, scale, chunk=1024, prefix_docs=None):
-    B, T, H, D = q.shape
-    K = min(topk, T)
-    out = torch.empty(B, T, K, dtype=torch.long, device=q.device)
+def index_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, doc_ids: torch.Tensor | None, topk: int,
+               scale: float, chunk: int | None = None, prefix_docs: torch.Tensor | None = None) -> torch.Tensor:
+    """DSA's lightning indexer: each query's `topk` highest-scoring earlier keys of its own document (and of the
+    shared prompt `prefix_docs` names, placed before it: data.packing).
+
+    q (B, T, H, D) indexer queries, k (B, T, D) the one shared indexer key per position, weights (B, T, H) per-head
+    weights (transformers folds H^-0.5 into them). The score of key s for query t is
+    Σ_h weights[b,t,h] · relu(scale · q[b,t,h]·k[b,s]) in fp32 — transformers' GlmMoeDsaIndexer.forward, op for op
+    (matmul, scale, relu, then weights @ scores) — kept where s ≤ t and doc_ids[b,s] == doc_ids[b,t]
+    (doc_ids None: one document per row), -inf elsewhere. Returns (B, T, min(topk, T)) int64 key positions in
+    torch.topk's order (scores descending), -1 where the score is -inf (a query at document offset i has i + 1
+    valid keys). Ties among equal finite scores (common: relu makes whole rows of zeros) are broken by
+    torch.topk's choice, which is unspecified and may differ from a dense call's.
+
+    Queries go `chunk` rows at a time (None: as many as keep the (B, chunk, H, keys) fp32 scores under
+    INDEX_CHUNK_BYTES), each against the keys up to its last row only: O(chunk·T) memory, never T × T."""
+    B, T, H, _ = q.shape
+    n = min(topk, T)
+    if chunk is None:
+        chunk = max(1, INDEX_CHUNK_BYTES // (4 * B * H * T))
+    out = torch.full((B, T, n), -1, dtype=torch.long, device=q.device)
     pos = torch.arange(T, device=q.device)
-    for s in range(0, T, chunk):
-        e = min(s + chunk, T)
-        sc = torch.einsum("bthd,bsd->bths", q[:, s:e].float(), k.float()).mul_(scale).relu_()
-        sc = torch.einsum("bth,bths->bts", weights[:, s:e].float(), sc)
-        allowed = pos[None, :] <= pos[s:e, None]
-        allowed = allowed[None]
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        keys = k[:, :c1].float().transpose(-1, -2).unsqueeze(1)                      # (B, 1, D, c1)
+        scores = F.relu(torch.matmul(q[:, c0:c1].float(), keys) * scale)            # (B, c, H, c1)
+        scores = torch.matmul(weights[:, c0:c1].float().unsqueeze(-2), scores).squeeze(-2)   # (B, c, c1)
+        allowed = (pos[:c1] <= pos[c0:c1, None])[None]
         if doc_ids is not None:
-            allowed = allowed & (doc_ids[:, s:e, None] == doc_ids[:, None, :])
+            allowed = allowed & (doc_ids[:, c0:c1, None] == doc_ids[:, None, :c1])
         if prefix_docs is not None:
-            allowed = allowed | (prefix_docs[:, s:e, None] == doc_ids[:, None, :])
-        sc = sc.masked_fill(~allowed, float("-inf"))
-        top = sc.topk(K, dim=-1)
-        out[:, s:e] = top.indices.masked_fill(top.values == float("-inf"), -1)
+            allowed = allowed | (prefix_docs[:, c0:c1, None] == doc_ids[:, None, :c1])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        m = min(n, c1)                       # later keys of this chunk's rows are all in the future: -1 there
+        values, idx = scores.topk(m, dim=-1)
+        out[:, c0:c1, :m] = idx.masked_fill(values == float("-inf"), -1)
     return out

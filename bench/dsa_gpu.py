@@ -13,6 +13,7 @@ dense MLP, the shared expert and every routed expert (PEFT: target_parameters fo
 Providers:
   ours      our Decoder (kernels "auto": sparse attention kernel where documents pass index_topk, the grouped expert
             GEMM, fused LoRA), frozen GEMM weights bf16, adapter fp32, bf16 autocast
+  ours_expanded  the same with the sparse path on each head's expanded keys and values (model.ABSORBED_SPARSE off)
   hf_peft   GlmMoeDsaForCausalLM in bf16, experts "grouped_mm", sdpa (its only attention here: the indexer's choice
             as a T × T mask), PEFT LoRA, padding-free rows (position_ids), bf16 autocast
 Timing: bench.workloads.WARMUP_RULE, then p20/p50/p80 step times, real tokens/s, peak memory. `--longest` also
@@ -35,6 +36,7 @@ from glm_lora.data.sampler import EpochSampler
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.kernels import ops as kernels
 from glm_lora.model import Decoder, DecoderConfig, inject_lora
+from glm_lora.model import model as decoder
 from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model.lora import cast_frozen_gemm_weights
 
@@ -50,7 +52,7 @@ SHAPES = {
                   n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
 }
 R, ALPHA = 16, 32
-PROVIDERS = ("ours", "hf_peft")
+PROVIDERS = ("ours", "ours_expanded", "hf_peft")
 ATTENTION_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
@@ -108,7 +110,8 @@ def hf_peft(cfg: DecoderConfig, device, experts_impl: str = "grouped_mm"):
 
 
 def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device) -> dict:
-    model, loss = ours(cfg, device) if name == "ours" else hf_peft(cfg, device)
+    model, loss = ours(cfg, device) if name.startswith("ours") else hf_peft(cfg, device)
+    decoder.ABSORBED_SPARSE[device.type] = name == "ours"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
     step = train_step(loss, opt, device)

@@ -203,3 +203,34 @@ def test_keys_we_cannot_reproduce_are_refused_naming_key_and_file(tmp_path, kind
     with pytest.raises(BaseModelError) as e:
         read_hf_config(tmp_path)
     assert message in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_absorbed_sparse_attention_equals_the_expanded_form_with_lora_on_kv_b_proj(tmp_path, monkeypatch, kernel):
+    """The sparse path folds kv_b_proj (its LoRA included) into queries and outputs: same logits and gradients as the
+    expanded per-head keys and values; `triton`: our sparse attention kernel in both (Triton's interpreter on the
+    CPU), every other op the reference."""
+    from glm_lora.kernels import ops as kernels
+    from glm_lora.kernels import triton_sparse_attention
+    from glm_lora.model import model as decoder
+    if kernel == "triton":
+        monkeypatch.setattr(kernels, "sparse_attention", triton_sparse_attention.sparse_attention)
+    hf_model("dsa", "two_shared").save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    inject_lora(ours, LoRAConfig(r=4, alpha=8))
+    for n, p in ours.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    x = ids(B=1, T=15)
+    runs = []
+    for absorbed in (False, True):
+        monkeypatch.setitem(decoder.ABSORBED_SPARSE, "cpu", absorbed)
+        ours.zero_grad()
+        with kernels.using("reference"):
+            y = ours(x)
+        y.square().mean().backward()
+        runs.append((y.detach(), {n: p.grad.clone() for n, p in ours.named_parameters() if p.requires_grad}))
+    (expanded, g1), (absorbed, g2) = runs
+    assert (expanded - absorbed).abs().max().item() <= 1e-5
+    assert max((g1[n] - g2[n]).abs().max().item() for n in g1) <= 1e-6
+    assert ours.attention_paths == {"sparse": 2}

@@ -108,6 +108,12 @@ class LoRALinear(nn.Module):
                                       [m.lora_B.weight for m in mods], first.scale)
         return y if first.bias is None else y + torch.cat([m.bias for m in mods])
 
+    def effective_weight(self) -> torch.Tensor:
+        """W + (α/r)·B A as one differentiable tensor (W alone with the adapter off): for callers that fold the layer
+        into another product (latent attention's absorbed sparse path, model.LatentAttention)."""
+        w = self.base_weight()
+        return w if not self.enabled else w + self.scale * (self.lora_B.weight @ self.lora_A.weight).to(w.dtype)
+
     def merged_weight(self) -> torch.Tensor:
         """W + (α/r)·B A in W's dtype; with nf4, W is the dequantised base (what the adapter was trained on)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()

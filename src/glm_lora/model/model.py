@@ -385,6 +385,12 @@ class Indexer(nn.Module):
         return chosen[:, None]
 
 
+# The sparse path in absorbed form (DeepSeek's MLA inference trick, as FlashMLA's sparse kernels run it): kv_b_proj is
+# folded into the queries and the output, so every head reads one shared latent key per chosen position (one gather
+# for all heads) instead of its own expanded key and value. Which form is faster is measured (bench/dsa_gpu.py).
+ABSORBED_SPARSE = {"cuda": True, "cpu": False}
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3; GLM-4.7-Flash, GLM-5; transformers' DeepseekV3Attention names).
 
@@ -435,7 +441,8 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(q_latent)
         q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)                 # (B, H, T, nope + rope)
         latent, k_rope = kv_a.split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
+        latent_normed = self.kv_a_layernorm(latent)
+        kv = self.kv_b_proj(latent_normed).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q_rope, k_rope = kernels.apply_rope(q_rope, k_rope.view(B, T, 1, self.rope).transpose(1, 2), cos, sin,
@@ -452,10 +459,29 @@ class LatentAttention(nn.Module):
         if isinstance(mask, KeySelection):
             if hasattr(self, "indexer"):
                 mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask)
-            y = kernels.sparse_attention(q, k, v, mask.chosen[self.chooser], self.scale)
+            chosen = mask.chosen[self.chooser]
+            if ABSORBED_SPARSE.get(x.device.type, False):
+                y = self._absorbed_sparse(q_nope, q_rope, latent_normed, k_rope, chosen)
+            else:
+                y = kernels.sparse_attention(q, k, v, chosen, self.scale)
         else:
             y = kernels.attention(q, k, v, mask)                                   # (B, H, T, v_head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
+
+    def _absorbed_sparse(self, q_nope, q_rope, latent, k_rope, chosen):
+        """Sparse attention over the latent: score = q_nope·W_UK c + q_rope·k_rope = (W_UKᵀ q_nope)·c + q_rope·k_rope,
+        output = W_UV (Σ p c); the same numbers as the expanded form, with kv_b_proj's weight (its LoRA included)
+        split into W_UK (H, nope, r) and W_UV (H, v, r)."""
+        B, H, T, _ = q_nope.shape
+        w = getattr(self.kv_b_proj, "effective_weight", lambda: self.kv_b_proj.weight)()
+        w = w.view(H, self.nope + self.v_dim, self.kv_rank)
+        q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :self.nope]), q_rope.to(q_nope.dtype)), dim=-1)
+        k = torch.cat((latent, k_rope[:, 0].to(latent.dtype)), dim=-1)[:, None]        # (B, 1, T, r + rope)
+        if torch.is_autocast_enabled(q.device.type):
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k = q.to(dtype), k.to(dtype)
+        out = kernels.sparse_attention(q, k, k[..., :self.kv_rank], chosen, self.scale)   # (B, H, T, r)
+        return torch.einsum("bhtr,hvr->bhtv", out, w[:, self.nope:].to(out.dtype))
 
 
 class MLP(nn.Module):

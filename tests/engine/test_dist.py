@@ -461,6 +461,51 @@ def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path):
     assert losses[0] == losses[1]
 
 
+MTP_FSDP2_CHECK = r'''
+import copy, json, sys, torch
+from glm_lora.engine import dist
+from glm_lora.engine.losses import WithMTP
+from glm_lora.engine.trainer import Runtime
+from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model import Decoder, DecoderConfig, inject_lora, mtp
+from glm_lora.model.heads import causal_lm_loss
+
+d = dist.init("cpu")
+torch.manual_seed(0)
+model = Decoder(DecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                              intermediate_size=48, num_nextn_predict_layers=1))
+mtp.attach(model, fresh=True)
+inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
+for n, p in model.named_parameters():
+    if n.endswith("lora_B.weight"):
+        torch.nn.init.normal_(p, std=0.05)
+plain = copy.deepcopy(model)
+loss_fn = WithMTP(causal_lm_loss, 0.3)
+dist.parallelize(model, loss_fn, "fsdp2", Runtime(torch.device("cpu"), torch.float32, d))
+ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+batch = {"input_ids": ids, "labels": ids.clone(), "doc_ids": torch.tensor([[1] * 6 + [2] * 6, [3] * 5 + [4] * 7]),
+         "position_ids": torch.tensor([list(range(6)) * 2, list(range(5)) + list(range(7))]), "packed": True}
+for m in (model, plain):
+    loss, _ = loss_fn(m, batch)
+    loss.backward()
+    m.loss = loss
+torch.testing.assert_close(model.loss, plain.loss, atol=1e-5, rtol=1e-5)
+for path in ("mtp.2.eh_proj", "mtp.2.self_attn.q_proj", "model.layers.0.self_attn.q_proj"):
+    grad = model.get_submodule(path).lora_B.weight.grad
+    torch.testing.assert_close(grad.full_tensor(), plain.get_submodule(path).lora_B.weight.grad, atol=1e-5, rtol=1e-4)
+open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(model.loss)}))
+dist.end_rank(0)
+'''
+
+
+def test_fsdp2_trains_the_mtp_layer_like_one_process(tmp_path):
+    """`mtp: train` under FSDP2 (the MTP layer in the root unit, whose weights stay gathered after the forward): the
+    loss with the MTP term and the LoRA gradients of the MTP layer and of the main model equal one process's."""
+    _on_two_ranks(tmp_path, MTP_FSDP2_CHECK)
+    losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["loss"] for r in (0, 1)]
+    assert losses[0] == losses[1]
+
+
 # ---------------------------------------------------------------- batch math (no processes)
 
 def test_batch_math_derives_grad_accum_and_names_the_keys():

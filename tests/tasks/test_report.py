@@ -24,6 +24,15 @@ def test_eval_rows_name_their_data_and_families_are_one_row_each():
                                         {"family": "copy_en", "exact_match": "0.75", "chrf": "0.9", "rows": 4}]
 
 
+def test_the_mtp_table_shows_draft_acceptance_before_and_after_the_stage():
+    ev = {"mtp_acceptance": 0.61, "mtp_acceptance_sft": 0.6, "mtp_positions": 298}
+    assert report.mtp_rows("dpo", ev) == [
+        {"model": "before DPO (the SFT model)", "mtp_acceptance": "0.6", "held-out positions": 298},
+        {"model": "after dpo", "mtp_acceptance": "0.61", "held-out positions": 298}]
+    assert report.mtp_rows("sft", EVAL) == [] and report.unit("mtp_acceptance_sft") == "fraction"
+    assert {r["metric"]: r["unit"] for r in report.eval_rows(ev)}["mtp_positions"] == "tokens"
+
+
 def test_cleaning_rows_count_by_reason():
     clean = {"dropped": {"bad_row": 2, "overlong": 1}, "examples": {"bad_row": ["chat.jsonl:3: ..."]}, "kept": 10,
              "truncated": 3}

@@ -162,6 +162,13 @@ class ModelConfig(Section):
     rms_norm_eps: float = Field(1e-5, description="Epsilon of the RMSNorm layers.")
     tie_embeddings: bool = Field(False, description="Share one matrix between the input embeddings and the output "
                                                     "head.")
+    mtp_layers: int = Field(
+        0, ge=0, le=1, description="1: a multi-token prediction (MTP) layer beside the decoder, as GLM and DeepSeek-V3 "
+                                   "have: from the last hidden state and the next token's embedding it predicts the "
+                                   "token after next (a draft for speculative decoding). Pretraining trains it "
+                                   "(pretrain.mtp_weight); fine-tuning carries or trains it (sft.mtp, dpo.mtp) and "
+                                   "reports its draft acceptance. It stays in the native checkpoints: these layouts' "
+                                   "transformers and vLLM classes have no MTP layer, so the export leaves it out.")
 
     @model_validator(mode="before")
     @classmethod
@@ -293,10 +300,39 @@ class TrainConfig(Section):
         return self
 
 
+def _mtp_weight(what: str):
+    return Field(0.3, ge=0, description=f"Weight of the MTP layer's loss (cross-entropy of the token after next) added "
+                                        f"to the stage's loss{what}; GLM and DeepSeek-V3 pretrain with 0.3 early, "
+                                        "0.1 later.")
+
+
+def _mtp_mode(stage: str, tokens: str):
+    return Field(
+        "carry", description="The model's multi-token prediction (MTP) layer, the draft of vLLM's speculative "
+                             "decoding (GLM-4.5 / 4.7-Flash / 5 checkpoints, or model.mtp_layers: 1). carry: left as "
+                             "it is, byte for byte in every export that holds it. train: its loss (its prediction of "
+                             f"token t+2 from position t, on {tokens}) × {stage}.mtp_weight is added to the stage's "
+                             "loss, and a LoRA with this stage's lora settings (the same targets) trains the layer while "
+                             "the main adapter trains as usual; the MTP loss's gradient reaches the main model through "
+                             "its hidden states, as DeepSeek-V3 trains it. The MTP LoRA is saved with the stage's "
+                             "adapter and merged into the exported MTP layer; the PEFT adapter holds none (vLLM applies "
+                             "no LoRA to the draft), so a final adapter that trained it is served merged. Needs a "
+                             "model with an MTP layer. Either way the stage reports mtp_acceptance (held-out share "
+                             "of drafts equal to the model's own greedy token).")
+
+
 class SFTConfig(TrainConfig):
     """A LoRA adapter on the pretrained (or base) model, trained on the assistants' answers of data.sft."""
 
     lora: LoRAConfig = Field(LoRAConfig(), description="The SFT adapter.")
+    mtp: Literal["carry", "train"] = _mtp_mode("sft", "the answer tokens the main loss counts")
+    mtp_weight: float = _mtp_weight(" with mtp: train")
+
+
+class PretrainConfig(TrainConfig):
+    """Pretraining from scratch: the decoder of `model.*` on the pretraining documents, next-token loss."""
+
+    mtp_weight: float = _mtp_weight(" when model.mtp_layers is 1")
 
 
 class DPOConfig(TrainConfig):
@@ -304,6 +340,8 @@ class DPOConfig(TrainConfig):
 
     lora: LoRAConfig = Field(LoRAConfig(), description="The preference adapter; modules_to_save must stay empty (the "
                                                        "reference model is the same weights with the adapter off).")
+    mtp: Literal["carry", "train"] = _mtp_mode("dpo", "the chosen answers only")
+    mtp_weight: float = _mtp_weight(" with mtp: train")
     loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
         "dpo", description="dpo: DPO's sigmoid loss; ipo: IPO's squared loss; simpo, orpo: reference-free (one "
                            "forward per step instead of two); kto: KTO on unpaired rows, each answer labelled "
@@ -639,8 +677,8 @@ class Config(Section):
     model: ModelConfig = Field(ModelConfig(), description="The decoder pretrained from scratch: its layout (`arch`) "
                                                           "and shape, which map onto the transformers class of that "
                                                           "layout. Not used with base_model.")
-    pretrain: TrainConfig = Field(TrainConfig(), description="The pretraining stage (from scratch; skipped with "
-                                                             "base_model).")
+    pretrain: PretrainConfig = Field(PretrainConfig(), description="The pretraining stage (from scratch; skipped "
+                                                                   "with base_model).")
     sft: SFTConfig = Field(SFTConfig(), description="The supervised fine-tuning stage.")
     dpo: DPOConfig = Field(DPOConfig(lr=5e-5), description="The preference stage: DPO, IPO, SimPO, ORPO or KTO.")
     rl: RLConfig = Field(RLConfig(lr=2e-4, batch_size=8, prefetch=0), description="The optional online RL stage "
@@ -668,6 +706,18 @@ class Config(Section):
             ("pretrain", self.pretrain), ("sft", self.sft), ("dpo", self.dpo))
         for key, tc in stages:
             derived_grad_accum(tc, key, world)
+        return self
+
+    @model_validator(mode="after")
+    def _mtp_to_train(self):
+        """A from-scratch model has an MTP layer only with model.mtp_layers; a base model's is checked against its
+        config.json before any stage runs (engine/preflight.py)."""
+        if self.base_model is None and not self.model.mtp_layers:
+            for key, tc in (("sft", self.sft), ("dpo", self.dpo)):
+                if tc.mtp == "train":
+                    raise ValueError(f"{key}.mtp: train needs a model with an MTP (multi-token prediction) layer, and "
+                                     "model.mtp_layers is 0: set model.mtp_layers: 1 (pretraining then trains one) "
+                                     f"or {key}.mtp: carry")
         return self
 
     @model_validator(mode="after")

@@ -19,8 +19,10 @@ from glm_lora.configs.schema import Config
 from glm_lora.data.pipeline import StageData
 from glm_lora.engine import dist
 from glm_lora.engine.fit import check_seq_len, consolidated, fit, setup
+from glm_lora.engine.losses import WithMTP
 from glm_lora.engine.router_stats import RouterHealth
-from glm_lora.model import Decoder, inject_lora
+from glm_lora.evaluation.heldout import eval_mtp
+from glm_lora.model import Decoder, inject_lora, mtp
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.model.adapters import save_adapter
 
@@ -43,7 +45,9 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
     model = load_model(inputs)
     check_seq_len(tc.seq_len, model, stage)
-    inject_lora(model, tc.lora)
+    before = _mtp_before(cfg, stage, model, data, rt)
+    loss = _mtp_training(cfg, stage, model, loss)
+    inject_lora(model, tc.lora)             # the MTP layer too, where the stage trains it
     low_precision = _frozen_gemm_weights_in_compute_dtype(model, cfg, stage, rt)
     log.info("%s: %.3fM trainable of %.2fM", stage, model.num_params(True) / 1e6, model.num_params() / 1e6)
     health = RouterHealth(model, tc.router_aux_loss, stage)         # mixture of experts: routing per step
@@ -54,12 +58,12 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
         metrics["router"] = health.summary()
     if model.attention_paths:   # DSA: forwards on the dense path (no document past index_topk) and on the sparse one
         metrics["attention_paths"] = dict(model.attention_paths)
-    model = consolidated(model, rt, lambda: _with_lora(Decoder(model.config), tc.lora))   # None off rank 0
+    model = consolidated(model, rt, lambda: _with_lora(mtp.same_architecture(model), tc.lora))   # None off rank 0
     if model is None:
         return metrics
     if cfg.eval.enabled:
         with rt.autocast() if low_precision else contextlib.nullcontext():
-            metrics["eval"] = evaluate(cfg, model, data.tok, data.data_dir)
+            metrics["eval"] = {**evaluate(cfg, model, data.tok, data.data_dir), **before}
         log.info("%s eval: %s", stage, {k: v for k, v in metrics["eval"].items() if k not in ("samples",)})
     save_adapter(model.cpu(), tc.lora, out_dir)
     return {**metrics, "trainable_params": model.num_params(True)}
@@ -82,6 +86,38 @@ def _frozen_gemm_weights_in_compute_dtype(model: Decoder, cfg: Config, stage: st
 def frozen_weights_in_compute_dtype(device: torch.device, dtype: torch.dtype, fsdp2: bool = False) -> bool:
     """Whether a LoRA stage holds its frozen GEMM weights in `dtype` (the one place that decides it)."""
     return device.type == "cuda" and dtype != torch.float32 and not fsdp2
+
+
+BEFORE = {"sft": "base", "dpo": "sft", "rl": "dpo"}      # the model each adapter stage starts from
+
+
+def _mtp_before(cfg: Config, stage: str, model: Decoder, data: StageData, rt) -> dict:
+    """The starting model's MTP draft acceptance on sft_eval (evaluation/heldout.py `eval_mtp`) as
+    `mtp_acceptance_<base|sft|dpo>`, measured before the stage trains, on its device, by the process that evaluates
+    (not under FSDP2: no process holds the whole model); {} without an MTP layer or evaluation."""
+    if not (cfg.eval.enabled and rt.main and mtp.has_mtp(model)):
+        return {}
+    if rt.dist and dist.strategy_for(cfg, stage) == "fsdp2":
+        log.info("%s: the starting model's MTP acceptance is not measured under FSDP2", stage)
+        return {}
+    model.to(rt.device)
+    low_precision = frozen_weights_in_compute_dtype(rt.device, rt.dtype)
+    with rt.autocast() if low_precision else contextlib.nullcontext():
+        ev = eval_mtp(cfg, model, data.tok, data.data_dir)
+    return {f"mtp_acceptance_{BEFORE[stage]}": ev["mtp_acceptance"]}
+
+
+def _mtp_training(cfg: Config, stage: str, model: Decoder, loss: Callable) -> Callable:
+    """`<stage>.mtp: train`: the MTP layer built into the model (LoRA then reaches it) and its loss added; else the
+    stage's loss as it is (the layer stays carried). Refused on a model without one, naming where it came from."""
+    tc = getattr(cfg, stage)
+    if getattr(tc, "mtp", "carry") != "train":
+        return loss
+    source = (f"the base model ({cfg.base_model / 'config.json'}, num_nextn_predict_layers)" if cfg.base_model
+              else "the pretrained model (model.mtp_layers)")
+    mtp.require_mtp(model, f"{stage}.mtp", source)
+    mtp.attach(model)
+    return WithMTP(loss, tc.mtp_weight, chosen_only=stage != "sft")
 
 
 def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:

@@ -261,8 +261,12 @@ def _dir_key(cfg: Config, stage: str, tc: TrainConfig, digests: list[str]) -> st
                              ({"global_batch_size"} if tc.global_batch_size is None else set()), True)
     if new_lora_keys:
         unhashed["lora"] = new_lora_keys
+    # The MTP keys came later: where they change nothing (mtp carry, no model.mtp_layers) they stay out as well.
+    if getattr(tc, "mtp", "carry") == "carry" and (hasattr(tc, "mtp") or not cfg.model.mtp_layers):
+        unhashed |= dict.fromkeys({"mtp", "mtp_weight"} & set(type(tc).model_fields), True)
+    model = cfg.model.model_dump(mode="json", exclude={"mtp_layers"} if not cfg.model.mtp_layers else None)
     return sha256_json({"stage": stage, "section": tc.model_dump(mode="json", exclude=unhashed),
-                        "model": cfg.model.model_dump(mode="json"), "device": cfg.device,
+                        "model": model, "device": cfg.device,
                         "precision": cfg.precision, "kernels": cfg.kernels, "attention": cfg.attention,
                         "inputs": digests})
 

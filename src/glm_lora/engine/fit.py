@@ -43,7 +43,8 @@ def decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
     m = cfg.model
     if m.vocab_size is not None and m.vocab_size < vocab:
         raise UserError(f"model.vocab_size {m.vocab_size} is smaller than the tokenizer's {vocab} tokens")
-    return DecoderConfig(**{**m.model_dump(), "vocab_size": m.vocab_size or vocab})
+    fields = m.model_dump(exclude={"mtp_layers"})
+    return DecoderConfig(**{**fields, "vocab_size": m.vocab_size or vocab, "num_nextn_predict_layers": m.mtp_layers})
 
 
 def check_seq_len(seq_len: int, model, key: str) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from glm_lora.kernels import ops as kernels
 from glm_lora.data.packing import IGNORE
+from glm_lora.model import mtp
 from glm_lora.model.heads import group_logprobs, shifted
 from glm_lora.model.lora import lora_disabled
 
@@ -114,6 +115,28 @@ class PreferenceLoss:
                       "undesirable_reward": (self.beta * r * bad).sum().detach() / bad.sum().clamp(min=1),
                       "preference_accuracy": ((r > z0) == desirable).float().mean().detach()}
 
+
+
+class WithMTP:
+    """`<stage>.mtp: train` (and pretraining with model.mtp_layers): the stage's loss plus `weight` × the MTP
+    layer's cross-entropy of token t+2 from slot t (model/mtp.py `mtp_loss`) on the labelled tokens — with
+    `chosen_only` (preference stages) the chosen answers' only (KTO: the desirable ones). It reuses the hidden states
+    of the stage loss's first forward (the policy's, with gradients), so the MTP loss's gradient reaches the main
+    model too. `loss` in the metrics is the sum that is optimised; `mtp_loss` the MTP term before its weight."""
+
+    def __init__(self, loss, weight: float, chosen_only: bool = False):
+        self.loss, self.weight, self.chosen_only = loss, weight, chosen_only
+
+    def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
+        with mtp.captured_hidden(model) as seen:
+            loss, metrics = self.loss(model, batch)
+        docs = None
+        if self.chosen_only:
+            groups = batch["group_docs"]
+            docs = groups[batch["group_labels"].bool(), 0] if "group_labels" in batch else groups[:, 0]
+        extra, _ = mtp.mtp_loss(model, seen[0], batch, docs)
+        total = loss + self.weight * extra
+        return total, {**metrics, "loss": total.detach(), "mtp_loss": extra.detach()}
 
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *, clip_epsilon: float,

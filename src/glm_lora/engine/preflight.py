@@ -28,6 +28,7 @@ from glm_lora.evaluation.metrics import read_task_rows
 from glm_lora.model import gguf_support
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig
+from glm_lora.engine.fit import decoder_config
 
 log = logging.getLogger("glm_lora.preflight")
 
@@ -39,7 +40,7 @@ def preflight(cfg: Config) -> None:
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     harness.check(cfg.eval.harness, synthetic=cfg.data.sft is None)   # lm-evaluation-harness tasks known and loadable
     if cfg.base_model is None:
-        _check_lora(cfg, DecoderConfig(**{**cfg.model.model_dump(), "vocab_size": 1}))
+        _check_lora(cfg, decoder_config(cfg, 1))
         gguf_support.check(cfg.export.gguf, cfg.model.arch)
         return
     if not cfg.base_model.is_dir():
@@ -50,6 +51,7 @@ def preflight(cfg: Config) -> None:
     base_tokenizer_files(cfg.base_model)
     check_tokenizer_fits(cfg.base_model, len(load_tokenizer(cfg.base_model)))
     _check_lora(cfg, layout)
+    _check_mtp(cfg, layout)
     _check_memory(cfg, layout)
     gguf_support.check(cfg.export.gguf, layout.arch, tokenizer_dir=cfg.base_model)
     lengths = {"sft.seq_len": cfg.sft.seq_len, "dpo.seq_len": cfg.dpo.seq_len}     # pretraining is skipped
@@ -67,6 +69,15 @@ def _check_lora(cfg: Config, layout: DecoderConfig) -> None:
     for section, lora in (("sft.lora", cfg.sft.lora), ("dpo.lora", cfg.dpo.lora)) + (
             (("rl.lora", cfg.rl.lora),) if cfg.rl.enabled else ()):
         check_lora(layout, lora, section)
+
+
+def _check_mtp(cfg: Config, layout: DecoderConfig) -> None:
+    """`<stage>.mtp: train` needs a base model with an MTP layer (the schema checks a from-scratch model's)."""
+    for key in ("sft", "dpo"):
+        if getattr(cfg, key).mtp == "train" and not layout.num_nextn_predict_layers:
+            raise UserError(f"{key}.mtp: train needs a model with an MTP (multi-token prediction) layer, and "
+                            f"{cfg.base_model / 'config.json'} declares none (num_nextn_predict_layers: "
+                            f"{layout.num_nextn_predict_layers}); set {key}.mtp: carry")
 
 
 def _check_rl(cfg: Config) -> None:

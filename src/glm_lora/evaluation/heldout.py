@@ -12,9 +12,13 @@ from glm_lora.configs.schema import Config
 from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.prepare import split_path, split_provenance
+from glm_lora.data.encode import lm_examples
 from glm_lora.evaluation.metrics import (
-    answer_metrics, kto_metrics, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate, task_metrics,
+    answer_examples, answer_metrics, kto_metrics, lm_metrics, preference_metrics, read_task_rows, rejected_match_rate,
+    task_metrics,
 )
+from glm_lora.evaluation.mtp import acceptance
+from glm_lora.model import mtp
 from glm_lora.model.lora import lora_disabled
 
 log = logging.getLogger("glm_lora.heldout")
@@ -28,6 +32,9 @@ def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
                                  max_line_bytes=dc.max_line_bytes)
     texts = list(itertools.islice(rows, cfg.eval.max_rows))
     metrics = lm_metrics(model, tok, texts, seq_len=cfg.pretrain.seq_len)
+    if mtp.has_mtp(model):          # model.mtp_layers: the MTP layer's drafts on the same text
+        examples = lm_examples(texts, tok, seq_len=cfg.pretrain.seq_len, min_tokens=1, report=CleanReport())
+        metrics |= acceptance(model, list(examples), seq_len=cfg.pretrain.seq_len)
     if report.dropped.get("bad_row"):
         log.warning("pretrain_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
@@ -35,8 +42,21 @@ def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
             "data": {"pretrain_eval": split_provenance(data_dir, "pretrain_eval", len(texts))}}
 
 
+def eval_mtp(cfg: Config, model, tok, data_dir: Path, rows: list[dict] | None = None) -> dict:
+    """A model with an MTP layer: its draft acceptance on sft_eval's answers (evaluation/mtp.py; `rows`: those rows
+    read already); {} without one."""
+    if not mtp.has_mtp(model):
+        return {}
+    if rows is None:
+        dc = cfg.data
+        rows = read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows, on_bad_row=dc.on_bad_row,
+                              report=CleanReport(max_examples=0), max_line_bytes=dc.max_line_bytes)
+    return acceptance(model, answer_examples(tok, rows, seq_len=cfg.sft.seq_len), seq_len=cfg.sft.seq_len)
+
+
 def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
-    """Exact match on sft_eval; bad rows as in eval_lm (counted in `bad_rows_sft_eval`)."""
+    """Exact match on sft_eval; bad rows as in eval_lm (counted in `bad_rows_sft_eval`); the MTP layer's draft
+    acceptance where the model has one (`eval_mtp`)."""
     dc, report = cfg.data, CleanReport(max_examples=cfg.data.report_examples)
     rows = read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows,
                                    on_bad_row=dc.on_bad_row, report=report, max_line_bytes=dc.max_line_bytes)
@@ -45,7 +65,8 @@ def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
                     report.examples.get("bad_row", []))
     metrics = task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
     answers = answer_metrics(model, tok, rows, seq_len=cfg.sft.seq_len)
-    return {**metrics, **answers, "bad_rows_sft_eval": report.dropped.get("bad_row", 0),
+    return {**metrics, **answers, **eval_mtp(cfg, model, tok, data_dir, rows),
+            "bad_rows_sft_eval": report.dropped.get("bad_row", 0),
             "data": {"sft_eval": split_provenance(data_dir, "sft_eval", len(rows))}}
 
 
@@ -72,7 +93,7 @@ def eval_preferences(cfg: Config, model, tok, data_dir: Path) -> dict:
             sft_rejected = rejected_match_rate(model, tok, pairs, max_new_tokens=cfg.eval.max_new_tokens)
     tasks = eval_tasks(cfg, model, tok, data_dir)
     kept = ("exact_match", "min_family", "per_family", "chrf", "answer_loss", "answer_perplexity", "samples",
-            "bad_rows_sft_eval")
+            "bad_rows_sft_eval", *(k for k in tasks if k.startswith("mtp_")))
     return {**prefs, **{k: tasks[k] for k in kept}, "rejected_match_rate": rejected,
             "sft_rejected_match_rate": sft_rejected, "bad_rows_dpo_eval": report.dropped.get("bad_row", 0),
             "data": {"dpo_eval": split_provenance(data_dir, "dpo_eval", len(rows)), **tasks["data"]}}

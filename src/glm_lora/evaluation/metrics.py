@@ -163,16 +163,22 @@ def task_metrics(model, tok, rows: list[dict], *, max_new_tokens: int = 24, exam
             "n_per_family": {fam: len(h) for fam, h in sorted(hits.items())}, "samples": samples}
 
 
-def answer_metrics(model, tok, rows: list[dict], *, seq_len: int, batch_rows: int = 8) -> dict:
-    """Answer-token loss and perplexity: the SFT loss (assistant tokens only) over the rows' whole
-    conversations, tokenised and packed as in training (each row within seq_len, truncated).
-    Meaningful on any chat data, task families or not."""
+def answer_examples(tok, rows: list[dict], *, seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """The rows' whole conversations tokenised as SFT trains on them (labels on the assistant tokens), each within
+    seq_len (the prompt truncated)."""
     report = CleanReport()
     examples = list(sft_examples((r["conversations"] for r in rows), tok, seq_len=seq_len, overlong="truncate_prompt",
                                  min_tokens=1, report=report))
     if not examples:
         raise ValueError(f"answer_metrics: no row left to evaluate ({report.dropped})")
-    source, device = _Examples(examples), model_device(model)
+    return examples
+
+
+def answer_metrics(model, tok, rows: list[dict], *, seq_len: int, batch_rows: int = 8) -> dict:
+    """Answer-token loss and perplexity: the SFT loss (assistant tokens only) over the rows' whole
+    conversations, tokenised and packed as in training (each row within seq_len, truncated).
+    Meaningful on any chat data, task families or not."""
+    source, device = _Examples(answer_examples(tok, rows, seq_len=seq_len)), model_device(model)
     total, count = 0.0, 0
     with evaluating(model):
         for batch in PackedBatches(source, iter(range(len(source))), rows=batch_rows, seq_len=seq_len):

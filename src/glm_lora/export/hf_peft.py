@@ -24,6 +24,10 @@
                                 as it was trained (our NF4 is bitsandbytes' format, byte for byte). Such
                                 an adapter is not served on the full-precision base; merged/ and
                                 sft_merged/ hold it merged into the dequantised base, and those are served.
+    <out>/adapters/*/mtp_lora.safetensors   only for an adapter whose stage trained the MTP layer (`<stage>.mtp:
+                                train`) of a base whose HF class has one (GLM-4.5, 4.7-Flash, 5): that layer's LoRA,
+                                kept out of the PEFT files (vLLM applies no LoRA to its MTP draft model); the merged
+                                directories hold it merged into the MTP tensors, and such an adapter is served merged.
     <out>/compare.md            fixed prompts answered by the pretrain, SFT and DPO models
 
 Every directory has a model card (README.md with the Hugging Face metadata header, export/model_card.py).
@@ -58,9 +62,10 @@ from glm_lora.data.tokenizer import end_of_turn_ids, load_tokenizer
 from glm_lora.evaluation.decode import greedy_answers
 from glm_lora.evaluation.metrics import compare_prompts
 from glm_lora.export.model_card import write_model_card
-from glm_lora.model.adapters import (BASE_QUANTIZATION, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX, load_policy,
-                            read_adapter, served_form, vllm_unservable)
-from glm_lora.model.hf import save_hf
+from glm_lora.model.adapters import (BASE_QUANTIZATION, MTP_LORA, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX,
+                                     load_policy, read_adapter, served_form, vllm_unservable)
+from glm_lora.model.hf import MTP_ARCHS, save_hf
+from glm_lora.model.mtp import MODULE as MTP_MODULE
 
 COMPARE = "compare.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,15 +143,21 @@ def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig,
 
 
 def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str,
-                       vllm_split_gate_up: bool = False, moe: bool = False) -> bool:
+                       vllm_split_gate_up: bool = False, moe: bool = False, mtp: bool = False) -> bool:
     """Our adapter (keys `<path>.lora_A.weight`) → PEFT's adapter_config.json + adapter_model.safetensors
     in out_dir; with `vllm_split_gate_up` and a LoRA on a fused gate_up_proj, also the split form vLLM's
     native Glm4 loads, in `<out_dir>-vllm/`; `moe` (a glm4_moe base): routed experts one key per expert and the
-    config PEFT needs for them (`_moe_targets`). Returns whether the split form was written."""
+    config PEFT needs for them (`_moe_targets`). The MTP layer's LoRA (`<stage>.mtp: train`) stays out of the PEFT
+    files: with `mtp` (the export holds MTP layers) it goes beside them, under its checkpoint names (MTP_LORA),
+    which tells the server to serve the merged form. Returns whether the split form was written."""
     out_dir = Path(out_dir)
     lora, ours = read_adapter(adapter_dir)
+    drafts = {k: ours.pop(k) for k in list(ours) if k.startswith(f"{MTP_MODULE}.")}
     state = {f"base_model.model.{k}": v for k, v in ours.items()}
     _write_peft(out_dir, state, lora, base_model_path, moe)
+    if drafts and mtp:
+        save_file(per_expert({"base_model.model.model.layers." + k.split(".", 1)[1]: v for k, v in drafts.items()}),
+                  out_dir / MTP_LORA, metadata={"format": "pt"})
     split = vllm_split(state) if vllm_split_gate_up else None
     if split is not None:
         _write_peft(out_dir.with_name(out_dir.name + VLLM_SUFFIX), split, lora, base_model_path)
@@ -214,7 +225,7 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     arch = models["pretrain"].config.arch
     moe = models["pretrain"].config.layout.moe
     splits = [write_peft_adapter(d, out_dir / "adapters" / stage, str(home / base),
-                                 vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe)
+                                 vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe, mtp=arch in MTP_ARCHS)
               for stage, (d, base) in chain.items()]
     evals = collect_eval(base_dir=base_dir, **{stage: d for stage, (d, _) in chain.items()})
     _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), splits[0], rl="rl" in chain)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm_lora.configs.schema import LoRAConfig
+from glm_lora.model import mtp
 from glm_lora.model.hf import load_native
 from glm_lora.model.lora import inject_lora, load_lora_state_dict, lora_state_dict, merge_lora
 from glm_lora.model.model import Decoder
@@ -29,11 +30,19 @@ def read_adapter(adapter_dir: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor]
 
 
 def apply_adapter(model: Decoder, adapter_dir: Path, merge: bool = True) -> Decoder:
+    """The adapter on `model`; merged, unless `merge` is false. An adapter that trained the MTP layer (keys under
+    `mtp.`) gets it built from the carried tensors (model/mtp.py); merged, its weights go back there."""
     lora, state = read_adapter(adapter_dir)
+    if any(k.startswith(f"{mtp.MODULE}.") for k in state) and mtp.attached(model) is None:
+        mtp.attach(model)
     # The base the adapter was trained on: with nf4, merging folds it into the dequantised base weights.
     inject_lora(model, lora)
     load_lora_state_dict(model, state, lora.modules_to_save)
-    return merge_lora(model) if merge else model
+    if not merge:
+        return model
+    merge_lora(model)
+    mtp.detach(model)
+    return model
 
 
 def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
@@ -47,6 +56,13 @@ def load_policy(base_dir: Path, *adapter_dirs: Path) -> Decoder:
 
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# Beside a PEFT adapter whose stage trained the MTP layer (`<stage>.mtp: train`): that layer's LoRA, keyed as PEFT
+# would key it (base_model.model.model.layers.{L}.…), kept out of adapter_model.safetensors (transformers has no MTP
+# layer, and vLLM applies no LoRA to its MTP draft model).
+MTP_LORA = "mtp_lora.safetensors"
+MTP_LORA_IGNORED = ("it trained the MTP (multi-token prediction) layer too, and vLLM never applies a LoRA to the MTP "
+                    "draft model, so speculative decoding would draft with the untrained layer; its merged form (MTP "
+                    "layer updated) is served instead")
 # Beside a PEFT adapter trained on a 4-bit base (lora.quantization nf4): transformers' BitsAndBytesConfig
 # arguments that load its base as it was trained (our NF4 format is bitsandbytes' own: tests/kernels/test_nf4.py).
 BASE_QUANTIZATION = "base_quantization.json"
@@ -78,6 +94,8 @@ def vllm_unservable(adapter_dir: Path) -> str | None:
     if (Path(adapter_dir) / BASE_QUANTIZATION).is_file():
         return ("it was trained on a 4-bit (nf4) base, so on a full-precision base it is not the model that was "
                 "trained; its merged form (merged into the dequantised base) is served instead")
+    if (Path(adapter_dir) / MTP_LORA).is_file():
+        return MTP_LORA_IGNORED
     config = json.loads(config.read_text())
     saved = config.get("modules_to_save")
     if saved:

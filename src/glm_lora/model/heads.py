@@ -10,12 +10,16 @@ from glm_lora.kernels import ops as kernels
 from glm_lora.data.packing import IGNORE
 
 
+def final_hidden(model, batch):
+    """The model's final normed hidden states of a batch (B, T, C)."""
+    doc_ids = batch["doc_ids"] if batch.get("packed") else None     # padded rows: plain causal attention
+    return model.hidden_states(batch["input_ids"], batch.get("position_ids"), doc_ids,
+                               prefix_docs=batch.get("prefix_docs"))
+
+
 def shifted(model, batch):
     """Hidden states at positions 0..T-2 and the labels they predict (tokens 1..T-1)."""
-    doc_ids = batch["doc_ids"] if batch.get("packed") else None     # padded rows: plain causal attention
-    hidden = model.hidden_states(batch["input_ids"], batch.get("position_ids"), doc_ids,
-                                 prefix_docs=batch.get("prefix_docs"))
-    return hidden[:, :-1], batch["labels"][:, 1:]                    # (B, T-1, C), (B, T-1)
+    return final_hidden(model, batch)[:, :-1], batch["labels"][:, 1:]   # (B, T-1, C), (B, T-1)
 
 
 def label_positions(batch, labels: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,15 @@ GLM-4.5 checkpoints and transformers' save_pretrained store them, and as vLLM lo
 transformers' memory) stacked: `mlp.experts.gate_up_proj` (E, 2I, C) = [gate | up] rows, `mlp.experts.down_proj`
 (E, C, I). `EXPERT_WEIGHTS` is that map. GLM's multi-token-prediction layers (`model.layers.{L}.*` for
 L ≥ num_hidden_layers, `num_nextn_predict_layers` of them) are not part of our forward: they are carried
-unchanged from import to export (`Decoder.carried`) so vLLM's speculative decoding can use them.
+unchanged from import to export (`Decoder.carried`) so vLLM's speculative decoding can use them, unless a stage
+trains the MTP layer (model/mtp.py), which writes its merged weights back there.
 
 Safetensors only: nothing a user hands in is ever unpickled.
 """
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -29,6 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from glm_lora.configs.errors import UserError, quote
 from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig
+
+
+log = logging.getLogger("glm_lora.hf")
 
 
 class BaseModelError(UserError, ValueError):
@@ -518,18 +523,38 @@ def save_hf(model: Decoder, out_dir: Path, *, bos_id, eos_id, pad_id, dtype: tor
     tensors = {hf: sd[ours].detach().to(dtype).contiguous() for ours, hf in hf_weight_map(model.config).items()}
     for ours in expert_weight_names(model.config):
         tensors |= split_experts(ours, sd[ours].detach().to(dtype), model.config)
-    tensors |= {k: v.contiguous() for k, v in model.carried.items()}       # MTP layers: as imported, dtype too
+    tensors |= {k: v.contiguous() for k, v in exported_carried(model).items()}   # MTP layers: as carried, dtype too
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     dtype_name = str(dtype).removeprefix("torch.")
     cfg = hf_config_dict(model.config, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, dtype=dtype_name)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
+# The HF classes that hold MTP layers (num_nextn_predict_layers in their config; vLLM's MTP speculative decoding).
+MTP_ARCHS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
+
+
+def exported_carried(model: Decoder) -> dict[str, torch.Tensor]:
+    """The carried tensors an HF export holds: all of them where the layout's HF class has MTP layers; none
+    elsewhere (a from-scratch model.mtp_layers: 1 of a llama/qwen/glm layout, whose transformers and vLLM classes
+    have no place for them: they stay in our native checkpoints), logged."""
+    if model.carried and model.config.arch not in MTP_ARCHS:
+        log.info("export: the %d MTP tensors are left out: %s has no MTP layers in transformers or vLLM "
+                 "(they stay in the native checkpoints; MTP exports with %s)", len(model.carried),
+                 HF_ARCHITECTURES[model.config.arch], ", ".join(MTP_ARCHS))
+        return {}
+    return model.carried
+
+
 def save_native(model: Decoder, out_dir: Path) -> None:
-    """Our own checkpoint: full weights + the decoder config (readable with `cat`)."""
+    """Our own checkpoint: full weights + the decoder config (readable with `cat`); an attached MTP layer
+    (model/mtp.py) is stored into the carried tensors first."""
+    from glm_lora.model import mtp      # model/mtp.py builds on this module
+    if mtp.attached(model) is not None:
+        mtp.store(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith(f"{mtp.MODULE}.")}
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)
     save_file(sd, out_dir / NATIVE_WEIGHTS)

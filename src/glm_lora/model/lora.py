@@ -197,10 +197,11 @@ class LoRAExperts(nn.Module):
 
 
 def linear_names(model: nn.Module) -> list[str]:
-    """Every linear layer LoRA may wrap: not the output head, and not a DSA indexer's (it only chooses keys, without
-    gradients; frozen under LoRA as every peer trains GLM-5)."""
+    """Every linear layer LoRA may wrap: not an output head (lm_head, an MTP layer's own shared_head.head), and not a
+    DSA indexer's (it only chooses keys, without gradients; frozen under LoRA as every peer trains GLM-5)."""
     indexers = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Indexer))
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+            and not n.endswith(("lm_head", "shared_head.head"))
             and not n.endswith((".lora_A", ".lora_B")) and not n.startswith(indexers)]
 
 

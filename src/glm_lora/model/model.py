@@ -14,7 +14,7 @@ per architecture and PEFT adapter keys line up.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Iterator
 
 import torch
@@ -85,7 +85,7 @@ class DecoderConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    num_nextn_predict_layers: int = 0            # GLM's MTP layers: carried for export, not run (model/hf.py)
+    num_nextn_predict_layers: int = 0            # GLM's MTP layers: `Decoder.carried`, run as MTPLayer (model/mtp.py)
     # Multi-head latent attention (layout.mla; transformers' DeepSeek-V3 names): queries from a q_lora_rank latent
     # (0: one q_proj), keys and values from one kv_lora_rank latent plus a qk_rope_head_dim key shared by the heads;
     # each head's key is [nope | rope], its value v_head_dim wide. head_dim is the rotated qk_rope_head_dim.
@@ -611,6 +611,51 @@ class Block(nn.Module):
         return x, h
 
 
+def mtp_config(cfg: DecoderConfig) -> DecoderConfig:
+    """The config an MTP layer's block is built from: the model's, its layer index L = num_layers one past the last
+    (MoE or dense as `is_moe_layer(L)` says); under DSA the block has its own indexer, as vLLM's GLM-5 MTP."""
+    types = cfg.indexer_types + ("full",) if cfg.layout.dsa else cfg.indexer_types
+    return replace(cfg, num_layers=cfg.num_layers + 1, indexer_types=types)
+
+
+class SharedHead(nn.Module):
+    """An MTP layer's output norm, and its own output head where its checkpoint has one (else the model's lm_head)."""
+
+    def __init__(self, cfg: DecoderConfig, own_head: bool):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if own_head:
+            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPLayer(Block):
+    """GLM's (DeepSeek-V3's) multi-token prediction layer, as vLLM runs it (Glm4MoeMultiTokenPredictorLayer): slot t
+    reads token t+1's embedding e (zero at position 0) and the model's final normed hidden state h_t;
+    x = eh_proj([enorm(e) | hnorm(h)]) goes through one decoder block of the model's own layout (built from
+    `mtp_config`, layer index L), and shared_head.norm of the block's output (residual + branch) gives the
+    logits of token t+2 through shared_head.head (or the model's lm_head). It is a Block, so its names are the
+    checkpoint's model.layers.{L}.* exactly: enorm, hnorm, eh_proj, shared_head.{norm,head}, embed_tokens and the
+    block's own. `own_embed` / `own_head`: the checkpoint's layer has its own embedding / output head."""
+
+    def __init__(self, cfg: DecoderConfig, own_embed: bool = False, own_head: bool = False):
+        super().__init__(cfg, cfg.num_layers - 1)
+        C = cfg.hidden_size
+        self.enorm = RMSNorm(C, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(C, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * C, C, bias=False)
+        self.shared_head = SharedHead(cfg, own_head)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, C)
+
+    def forward(self, embeds, hidden, positions, cos, sin, mask, cache: KVCache | None = None):
+        """embeds (B, T, C): the next tokens' embeddings; hidden (B, T, C): the model's final normed hidden states at
+        `positions` (B, T). Returns shared_head.norm of the block's output (B, T, C), the head's input."""
+        embeds = embeds.masked_fill((positions == 0)[..., None], 0)     # vLLM: position 0's input is not needed
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x, h = super().forward(x, None, cos, sin, mask, cache)
+        return self.shared_head.norm(x + h)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -655,8 +700,9 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
         self.gradient_checkpointing = False     # recompute each block in backward: less memory, ~1/3 more compute
-        # Weights a checkpoint holds that this forward does not run (GLM-4.5's MTP layers, HF names): carried
-        # from import to export unchanged (model/hf.py). Plain tensors: no parameter, no state dict entry.
+        # Weights a checkpoint holds that this forward does not run (GLM's MTP layers, HF names): carried from import
+        # to export byte for byte (model/hf.py) unless a stage trains the MTP layer, which model/mtp.py builds from
+        # them as an MTPLayer (`self.mtp`) and writes back. Plain tensors: no parameter, no state dict entry.
         self.carried: dict[str, torch.Tensor] = {}
         self.attention_paths: dict[str, int] = {}   # DSA: forwards per path ("dense", "sparse"), see hidden_states
 

@@ -44,13 +44,14 @@ def api_key(sc: ServeConfig) -> tuple[str | None, str | None]:
 
 def serving_notes(cfg: Config) -> list[str]:
     """What the serve stage will do differently from the config, known before any training (the flow logs it
-    first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs. A base this
+    first): a mixture-of-experts base on vLLM's CPU build is served merged, its adapters not as LoRAs; so is a final
+    adapter that adapts kv_b_proj under latent attention, or trains the MTP layer (`dpo.mtp: train`). A base this
     host's vLLM cannot serve at all is refused (UserError), before any training."""
     if cfg.serve.enabled and cfg.base_model:
         check_servable(cfg)
     if not (cfg.serve.enabled and cfg.serve.adapters and cfg.base_model):
         return []
-    from glm_lora.model.adapters import KV_B_PROJ_IGNORED
+    from glm_lora.model.adapters import KV_B_PROJ_IGNORED, MTP_LORA_IGNORED
     from glm_lora.model.hf import read_hf_config
     from glm_lora.serve.deploy import CPU_MOE_LORA
     from glm_lora.serve.vllm_server import vllm_device
@@ -64,6 +65,9 @@ def serving_notes(cfg: Config) -> list[str]:
         if layout.mla and (targets == ALL_LINEAR or "kv_b_proj" in targets):
             notes.append(f"{stage}.lora.target_modules reaches kv_b_proj: the {stage.upper()} adapter will not be "
                          f"served as a LoRA: {KV_B_PROJ_IGNORED} (leave kv_b_proj out to serve it as a LoRA)")
+    if cfg.dpo.mtp == "train" and not cfg.rl.enabled:       # the adapter served as a LoRA: the last one, DPO's
+        notes.append(f"dpo.mtp: train: the DPO adapter will not be served as a LoRA: {MTP_LORA_IGNORED} (as "
+                     f"`{cfg.run_name}`)")
     return notes
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 METRICS_FILE = "metrics.jsonl"     # engine/fit.py: one JSON line per logging window
-UNITS = (("tokens_per_s", "tokens/s"), ("_s", "s"), ("loss", "nats/token"), ("perplexity", ""),
+UNITS = (("acceptance", "fraction"), ("tokens_per_s", "tokens/s"), ("_s", "s"), ("loss", "nats/token"), ("perplexity", ""),
          ("bits_per_byte", "bits/byte"), ("accuracy", "fraction"), ("exact_match", "fraction"), ("chrf", "0–1"),
-         ("rate", "fraction"), ("efficiency", "fraction"), ("params", "parameters"), ("tokens", "tokens"),
+         ("rate", "fraction"), ("efficiency", "fraction"), ("positions", "tokens"),
+         ("params", "parameters"), ("tokens", "tokens"),
          ("lr", ""), ("step", "steps"))
 
 
@@ -52,6 +53,19 @@ def family_rows(ev: dict) -> list[dict]:
     chrf, n = ev.get("chrf_per_family", {}), ev.get("n_per_family", {})
     return [{"family": f, "exact_match": _fmt(v), "chrf": _fmt(chrf.get(f, "")), "rows": n.get(f, "")}
             for f, v in ev.get("per_family", {}).items()]
+
+
+MTP_BEFORE = {"mtp_acceptance_base": "before SFT (the pretrained or imported model)",
+              "mtp_acceptance_sft": "before DPO (the SFT model)", "mtp_acceptance_dpo": "before RL (the DPO model)"}
+
+
+def mtp_rows(stage: str, ev: dict) -> list[dict]:
+    """The MTP layer's draft acceptance before and after the stage (evaluation/mtp.py), a row each; none without."""
+    if "mtp_acceptance" not in ev:
+        return []
+    rows = [{"model": what, "mtp_acceptance": _fmt(ev[k])} for k, what in MTP_BEFORE.items() if k in ev]
+    return [{**r, "held-out positions": ev.get("mtp_positions", "")}
+            for r in rows + [{"model": f"after {stage}", "mtp_acceptance": _fmt(ev["mtp_acceptance"])}]]
 
 
 def harness_rows(metrics: dict) -> list[dict]:
@@ -196,6 +210,9 @@ def publish(run_name: str, run_dir: Path, stage: str, stage_dir: Path, metrics: 
         create_table_artifact(eval_rows(ev), key=key("eval"), description=f"{stage}: held-out metrics")
         if ev.get("per_family"):
             create_table_artifact(family_rows(ev), key=key("families"), description=f"{stage}: per task family")
+        if ev.get("mtp_acceptance") is not None:
+            create_table_artifact(mtp_rows(stage, ev), key=key("mtp"), description=f"{stage}: MTP draft acceptance "
+                                  "(share of held-out drafts equal to the model's greedy token), before and after")
         if ev.get("samples"):
             create_table_artifact([{k: s.get(k, "") for k in ("task", "prompt", "reference", "answer", "correct")}
                                    for s in ev["samples"]], key=key("samples"), description=f"{stage}: sample answers")

@@ -628,8 +628,10 @@ def test_a_glm5_dsa_base_trains_on_the_sparse_path_exports_and_is_refused_servin
     _, states = _run(overrides)
     assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
     for stage in ("sft", "dpo"):
-        paths = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]["attention_paths"]
-        assert paths.get("sparse", 0) > 0, (stage, paths)
+        metrics = json.loads((run_dir / stage / "manifest.json").read_text())["metrics"]
+        assert metrics["attention_paths"].get("sparse", 0) > 0, (stage, metrics["attention_paths"])
+        assert 0 <= metrics["eval"]["mtp_acceptance"] <= 1                    # the carried MTP layer's draft acceptance
+    assert "mtp_acceptance_base" in json.loads((run_dir / "sft" / "manifest.json").read_text())["metrics"]["eval"]
     export = run_dir / "export"
     merged = load_file(export / "merged" / "model.safetensors")
     assert all(torch.equal(merged[k], v) for k, v in mtp.items())

@@ -167,7 +167,11 @@ def main() -> None:
     cfg = our_config(shape, vocab, seq_len)
     batches = rows_of(args.docs, vocab, seq_len, args.max_warmup + args.steps)
     wanted = [p for p in args.providers.split(",") if p] or list(PROVIDERS)
-    rows = {name: guarded(lambda: run(name, cfg, batches, args, device), device, oom=True) for name in wanted}
+    rows = {}
+    for name in wanted:
+        rows[name] = guarded(lambda: run(name, cfg, batches, args, device), device)
+        print(name, json.dumps({k: v for k, v in rows[name].items() if k in ("real_tokens_per_s", "step_ms_p50",
+                                                                               "peak_mem_gb", "error")}), flush=True)
     ref = rows.get("hf_peft", {})
     for r in rows.values():
         if "real_tokens_per_s" in r and "real_tokens_per_s" in ref:

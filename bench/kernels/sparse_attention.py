@@ -113,8 +113,10 @@ def bench(device: torch.device) -> list[dict]:
     for T in LENGTHS if device.type == "cuda" else SMOKE_LENGTHS:
         index, index_row = index_for(T, topk, device, gen)
         rows.append(index_row)
+        print(index_row, flush=True)                # each row as it comes: a run cut short keeps what it measured
         for form in FORMS:
             rows += attention_rows(form, T, index, device, gen)
+            print(*rows[-3:], sep="\n", flush=True)
         del index
         _free(device)
     rows.append(crossover(rows))

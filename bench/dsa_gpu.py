@@ -122,11 +122,11 @@ def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device) -> dic
     return {**res, "trainable_params": trainable, **({"attention_paths": dict(paths)} if paths else {})}
 
 
-def rows_of(docs: str, vocab: int, seq_len: int, n: int) -> list[dict]:
+def rows_of(docs: str, vocab: int, seq_len: int, n: int, rows: int = 8) -> list[dict]:
     """`long`: each row one document of seq_len tokens; `packed`: skewed lengths packed as the SFT stage packs."""
-    lengths = (np.full(8 * n, seq_len) if docs == "long" else scaled_lengths(64 * n, seq_len, seed=0))
+    lengths = (np.full(rows * n, seq_len) if docs == "long" else scaled_lengths(8 * rows * n, seq_len, seed=0))
     src = RandomSFT(lengths, vocab)
-    stream = PackedBatches(src, iter(EpochSampler(len(src), seed=0)), rows=8, seq_len=seq_len)
+    stream = PackedBatches(src, iter(EpochSampler(len(src), seed=0)), rows=rows, seq_len=seq_len)
     return [next(stream) for _ in range(n)]
 
 
@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--shape", default="glm5_8l", choices=[s for s in SHAPES if s != "smoke"])
     ap.add_argument("--docs", default="long", choices=("long", "packed"))
     ap.add_argument("--longest", action="store_true", help="also the longest one-document row ours trains at")
+    ap.add_argument("--rows", type=int, default=8, help="rows a batch (8 × 4096 by default)")
     ap.add_argument("--max-warmup", type=int, default=4)
     ap.add_argument("--max-measure-s", type=float, default=60.0)
     args = ap.parse_args()
@@ -165,7 +166,7 @@ def main() -> None:
     device = torch.device("cpu" if smoke else "cuda")
     shape, vocab, seq_len = ("smoke", 1000, 64) if smoke else (args.shape, 32000, 4096)
     cfg = our_config(shape, vocab, seq_len)
-    batches = rows_of(args.docs, vocab, seq_len, args.max_warmup + args.steps)
+    batches = rows_of(args.docs, vocab, seq_len, args.max_warmup + args.steps, args.rows)
     wanted = [p for p in args.providers.split(",") if p] or list(PROVIDERS)
     rows = {}
     for name in wanted:
@@ -187,7 +188,7 @@ def main() -> None:
         print("longest", json.dumps(extra["longest_document"]))
     free(device)
     path = write_result("dsa_lora_sft" + ("_smoke" if smoke else ""), {
-        "shape": {**SHAPES[shape], "vocab": vocab, "rows": 8, "seq_len": seq_len, "docs": args.docs},
+        "shape": {**SHAPES[shape], "vocab": vocab, "rows": args.rows, "seq_len": seq_len, "docs": args.docs},
         "lora": {"r": R, "alpha": ALPHA}, "warmup_rule": WARMUP_RULE, "providers": rows, **extra})
     print("wrote", path)
 

@@ -203,9 +203,20 @@ def grouped_lora_mm(x, w, a, b, scale, offsets):
 def sparse_attention(q, k, v, index, scale):
     """DeepSeek sparse attention (GLM-5's DSA): softmax(scale · q kᵀ over the keys `index` lists per query) · v.
     q (B, Hq, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), index (B, T, K) key positions (-1: none) → (B, Hq, T, Dv).
-    The Triton kernel (kernels/triton_sparse_attention.py, O(T·K) memory) on CUDA under "auto"; the reference
-    elsewhere is transformers' masked-dense form (a T × T mask: tiny shapes only)."""
-    return _impl("sparse_attention", q)(q, k, v, index, scale)
+    The Triton kernel (kernels/triton_sparse_attention.py, O(T·K) memory) on CUDA under "auto" where
+    `sparse_kernel_pays`; else the reference, transformers' masked-dense form (SDPA over a T × T mask)."""
+    return _impl("sparse_attention", q, fused_pays=sparse_kernel_pays(q, k.shape[2]))(q, k, v, index, scale)
+
+
+# "auto" on CUDA takes the sparse kernel from this many keys a row; below, the masked-dense form. Measured (H100, bf16,
+# one 16-head row, K 2048, fwd + bwd, bench/kernels/sparse_attention.py, bench/RESULTS.md "GLM-4.7-Flash and GLM-5"):
+# masked-dense over expanded heads 4.5 / 71 ms at 4k / 16k tokens against the kernel's 28 / 147 ms (absorbed form);
+# 64k was not reached. Past 32k the T × T mask (T² bytes a row, 1 GiB at 32k) is what the kernel's O(T·K) avoids.
+SPARSE_KERNEL_MIN_KEYS = 32768
+
+
+def sparse_kernel_pays(q: torch.Tensor, keys: int) -> bool:
+    return keys >= SPARSE_KERNEL_MIN_KEYS or not q.is_cuda
 
 
 index_topk = reference.index_topk           # DSA's indexer top-k, chunked torch on every device (no_grad)

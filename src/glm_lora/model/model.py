@@ -357,7 +357,7 @@ class Indexer(nn.Module):
         """q (B, T, H, D), k (B, T, D), weights (B, T, H)."""
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_norm(self.wk(x))[:, None]
+        k = self.k_norm(self.wk(x))[:, None].to(q.dtype)        # LayerNorm gives fp32 under autocast
         q, k = kernels.apply_rope(q, k, cos, sin, interleaved=True)     # the first qk_rope_head_dim dims
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5
         return q.transpose(1, 2), k[:, 0], weights
@@ -460,7 +460,7 @@ class LatentAttention(nn.Module):
             if hasattr(self, "indexer"):
                 mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask)
             chosen = mask.chosen[self.chooser]
-            if ABSORBED_SPARSE.get(x.device.type, False):
+            if ABSORBED_SPARSE.get(x.device.type, False) and kernels.sparse_kernel_pays(q, T):
                 y = self._absorbed_sparse(q_nope, q_rope, latent_normed, k_rope, chosen)
             else:
                 y = kernels.sparse_attention(q, k, v, chosen, self.scale)

@@ -14,6 +14,8 @@ Providers:
   ours      our Decoder (kernels "auto": sparse attention kernel where documents pass index_topk, the grouped expert
             GEMM, fused LoRA), frozen GEMM weights bf16, adapter fp32, bf16 autocast
   ours_expanded  the same with the sparse path on each head's expanded keys and values (model.ABSORBED_SPARSE off)
+  ours_kernel    the same with the sparse kernel at every length (kernels.ops.SPARSE_KERNEL_MIN_KEYS 0; "auto" takes
+                 the masked-dense form below it)
   hf_peft   GlmMoeDsaForCausalLM in bf16, experts "grouped_mm", sdpa (its only attention here: the indexer's choice
             as a T × T mask), PEFT LoRA, padding-free rows (position_ids), bf16 autocast
 Timing: bench.workloads.WARMUP_RULE, then p20/p50/p80 step times, real tokens/s, peak memory. `--longest` also
@@ -52,7 +54,8 @@ SHAPES = {
                   n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
 }
 R, ALPHA = 16, 32
-PROVIDERS = ("ours", "ours_expanded", "hf_peft")
+PROVIDERS = ("ours", "ours_expanded", "ours_kernel", "hf_peft")
+KERNEL_FROM = kernels.SPARSE_KERNEL_MIN_KEYS
 ATTENTION_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
@@ -111,7 +114,8 @@ def hf_peft(cfg: DecoderConfig, device, experts_impl: str = "grouped_mm"):
 
 def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device) -> dict:
     model, loss = ours(cfg, device) if name.startswith("ours") else hf_peft(cfg, device)
-    decoder.ABSORBED_SPARSE[device.type] = name == "ours"
+    decoder.ABSORBED_SPARSE[device.type] = name != "ours_expanded"
+    kernels.SPARSE_KERNEL_MIN_KEYS = 0 if name == "ours_kernel" else KERNEL_FROM
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
     step = train_step(loss, opt, device)

@@ -192,3 +192,14 @@ def test_index_topk_default_chunk_bounds_the_scores(monkeypatch):
     q, k, w = (leaf(*s, dtype=torch.float32, seed=40 + i, requires_grad=False)
                for i, s in enumerate([(B, T, H, D), (B, T, D), (B, T, H)]))
     assert torch.equal(ref.index_topk(q, k, w, None, 4, 0.5), ref.index_topk(q, k, w, None, 4, 0.5, chunk=3))
+
+
+def test_masked_dense_form_equals_the_reference():
+    """kernels.ops.masked_dense_attention (SDPA over the scattered mask: "auto"'s CUDA path below
+    SPARSE_KERNEL_MIN_KEYS) against the fp32 reference, forward and gradients, grouped and absorbed heads."""
+    for Hq, Hkv, Dk, Dv in ((4, 1, 24, 16), (4, 4, 16, 16), (4, 2, 8, 12)):
+        q, k, v = (leaf(2, h, 11, d, dtype=torch.float64, seed=i) for i, (h, d) in
+                   enumerate(((Hq, Dk), (Hkv, Dk), (Hkv, Dv))))
+        index = sparse_index(2, 11, 5, seed=3)
+        check(lambda q, k, v: kernels.masked_dense_attention(q, k, v, index, 0.3),
+              lambda q, k, v: ref.sparse_attention(q, k, v, index, 0.3), (q, k, v), (1e-10, 1e-10))

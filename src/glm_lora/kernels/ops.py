@@ -204,8 +204,19 @@ def sparse_attention(q, k, v, index, scale):
     """DeepSeek sparse attention (GLM-5's DSA): softmax(scale · q kᵀ over the keys `index` lists per query) · v.
     q (B, Hq, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), index (B, T, K) key positions (-1: none) → (B, Hq, T, Dv).
     The Triton kernel (kernels/triton_sparse_attention.py, O(T·K) memory) on CUDA under "auto" where
-    `sparse_kernel_pays`; else the reference, transformers' masked-dense form (SDPA over a T × T mask)."""
-    return _impl("sparse_attention", q, fused_pays=sparse_kernel_pays(q, k.shape[2]))(q, k, v, index, scale)
+    `sparse_kernel_pays`; below that on CUDA, `masked_dense_attention`; elsewhere the fp32 reference."""
+    if _BACKEND == "auto" and q.is_cuda and not sparse_kernel_pays(q, k.shape[2]):
+        return masked_dense_attention(q, k, v, index, scale)
+    return _impl("sparse_attention", q)(q, k, v, index, scale)
+
+
+def masked_dense_attention(q, k, v, index, scale):
+    """DSA as transformers' sdpa path runs it, in the inputs' dtype: the T × T bool mask scattered from `index`, then
+    SDPA's fused kernels with it (reference.sparse_attention is the same math with explicit fp32 scores)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    mask = reference.sparse_index_mask(index, k.shape[2])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 # "auto" on CUDA takes the sparse kernel from this many keys a row; below, the masked-dense form. Measured (H100, bf16,

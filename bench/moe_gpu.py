@@ -28,7 +28,8 @@ import torch
 
 from glm_lora.kernels import ops as kernels
 from bench.common import write_result
-from bench.workloads import (WARMUP_RULE, RandomSFT, free, guarded, parser, scaled_lengths, timed_steps, train_step)
+from bench.workloads import (WARMUP_RULE, RandomSFT, free, guarded, parser, ratios, scaled_lengths, timed_steps,
+                             train_step)
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.data.packing import PackedBatches
 from glm_lora.data.sampler import EpochSampler
@@ -143,12 +144,7 @@ def main() -> None:
     batches = [next(stream) for _ in range(args.max_warmup + args.steps)]
     wanted = [p for p in args.providers.split(",") if p] or list(PROVIDERS)
     rows = {name: guarded(lambda: run(name, cfg, batches, args, device), device) for name in wanted}
-    ref = rows.get("hf_peft", {})
-    for r in rows.values():
-        if "real_tokens_per_s" in r and "real_tokens_per_s" in ref:
-            r["tokens_per_s_vs_hf_peft"] = r["real_tokens_per_s"] / ref["real_tokens_per_s"]
-            if r.get("peak_mem_gb") and ref.get("peak_mem_gb"):
-                r["peak_mem_vs_hf_peft"] = r["peak_mem_gb"] / ref["peak_mem_gb"]
+    ratios(rows, "hf_peft")
     for name, r in rows.items():
         print(name, json.dumps({k: r[k] for k in ("real_tokens_per_s", "step_ms_p20", "step_ms_p50", "step_ms_p80",
                                                    "peak_mem_gb", "tokens_per_s_vs_hf_peft", "peak_mem_vs_hf_peft",

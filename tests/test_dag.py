@@ -471,6 +471,19 @@ def test_glm4_base_on_user_data_is_judged_on_its_own_rows_served_and_exported_lo
     verify(copy / "export")                        # the copy's manifest records the relocated files
 
 
+def _user_files(tmp_path: Path) -> tuple[Path, Path]:
+    """The user's own chat and preference files (no *_eval paths), documents longer than a tiny DSA's index_topk."""
+    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "amber"]
+    sft = tmp_path / "chat.jsonl"
+    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Repeat {w} {i}, please."},
+                                                    {"role": "assistant", "content": f"{w} {i}"}]}) + "\n"
+                           for i in range(12) for w in words))
+    dpo = tmp_path / "prefs.jsonl"
+    dpo.write_text("".join(json.dumps({"prompt": f"Say {w} {i}.", "chosen": f"{w} {i}", "rejected": f"no {i}"}) + "\n"
+                           for i in range(5) for w in words))
+    return sft, dpo
+
+
 def _glm45_base(path: Path) -> tuple[Path, dict]:
     """A tiny random GLM-4.5-style Glm4MoeForCausalLM (8 experts top-2 in 2 groups, a shared expert, one dense
     layer, q/k norm, attention bias) with one MTP layer's weights and a GLM-4 chat template: nothing downloaded.
@@ -501,14 +514,7 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
     vLLM's CPU build serves the merged model (its MoE LoRA needs Triton on a GPU) with our greedy tokens;
     the MTP layer's weights leave unchanged; a second run comes from cache."""
     from safetensors.torch import load_file
-    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "amber"]
-    sft = tmp_path / "chat.jsonl"
-    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Repeat {w} {i}."},
-                                                    {"role": "assistant", "content": f"{w} {i}"}]}) + "\n"
-                           for i in range(12) for w in words))
-    dpo = tmp_path / "prefs.jsonl"
-    dpo.write_text("".join(json.dumps({"prompt": f"Say {w} {i}.", "chosen": f"{w} {i}", "rejected": f"no {i}"}) + "\n"
-                           for i in range(5) for w in words))
+    sft, dpo = _user_files(tmp_path)
     base, mtp = _glm45_base(tmp_path / "glm45-base")
     overrides = {**dag["overrides"], "run_name": "glm45-user", "base_model": str(base), "data.sft": str(sft),
                  "data.dpo": str(dpo), "sft.max_steps": 8, "dpo.max_steps": 3, "sft.lora.modules_to_save": [],
@@ -561,18 +567,6 @@ def _latent_base(path: Path, kind: str) -> tuple[Path, dict]:
     mtp = mtp_tensors(model)
     save_file({**load_file(path / "model.safetensors"), **mtp}, path / "model.safetensors", metadata={"format": "pt"})
     return path, mtp
-
-
-def _user_files(tmp_path: Path) -> tuple[Path, Path]:
-    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "amber"]
-    sft = tmp_path / "chat.jsonl"
-    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Repeat {w} {i}, please."},
-                                                    {"role": "assistant", "content": f"{w} {i}"}]}) + "\n"
-                           for i in range(12) for w in words))
-    dpo = tmp_path / "prefs.jsonl"
-    dpo.write_text("".join(json.dumps({"prompt": f"Say {w} {i}.", "chosen": f"{w} {i}", "rejected": f"no {i}"}) + "\n"
-                           for i in range(5) for w in words))
-    return sft, dpo
 
 
 def test_a_glm47_flash_base_runs_the_dag_serves_merged_with_parity_and_reruns_cached(dag, tmp_path):

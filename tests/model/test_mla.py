@@ -10,16 +10,14 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmMoeDsaConfig,
-                          GlmMoeDsaForCausalLM)
+from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.evaluation.decode import greedy_decode
 from glm_lora.kernels import reference
-from glm_lora.model.hf import BaseModelError, load_hf, load_native, read_hf_config, save_hf, save_native
+from glm_lora.model.hf import BaseModelError, load_hf, read_hf_config
 from glm_lora.model.lora import LoRAConfigError, inject_lora, merge_lora
-from tests.model.test_moe import mtp_tensors
+from tests.model.test_moe import round_trip_with_mtp
 
 torch.set_num_threads(1)
 VOCAB = 96
@@ -135,20 +133,7 @@ def test_export_round_trip_with_the_mtp_layer_carried_unchanged(tmp_path, kind, 
     """transformers' loader skips MTP layers (`_keys_to_ignore_on_load_unexpected`): ours carries them to every export."""
     hf = hf_model(kind, shape)
     hf.config.num_nextn_predict_layers = 1
-    hf.save_pretrained(tmp_path / "hub")
-    state = load_file(tmp_path / "hub" / "model.safetensors")
-    mtp = mtp_tensors(hf)
-    save_file({**state, **mtp}, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
-    ours = load_hf(tmp_path / "hub").eval()
-    assert set(ours.carried) == set(mtp)
-    save_native(ours, tmp_path / "native")
-    back = load_native(tmp_path / "native").eval()
-    save_hf(back, tmp_path / "export", bos_id=None, eos_id=None, pad_id=None)
-    exported = load_file(tmp_path / "export" / "model.safetensors")
-    assert set(exported) == set(state) | set(mtp) and all(torch.equal(exported[k], v) for k, v in mtp.items())
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert config["architectures"] == [type(hf).__name__] and config["num_nextn_predict_layers"] == 1
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    _, reloaded = round_trip_with_mtp(hf, tmp_path)
     x = ids()
     with torch.no_grad():
         assert (reloaded(x).logits - hf(x).logits).abs().max().item() <= 1e-5

@@ -104,8 +104,10 @@ def test_ties_in_routing_scores_choose_as_transformers(tmp_path):
     assert diff <= 1e-5, diff
 
 
-def test_export_round_trip_and_mtp_layers_carried_unchanged(tmp_path):
-    hf = hf_model("grouped", mtp=1)
+def round_trip_with_mtp(hf, tmp_path):
+    """A checkpoint of `hf` with an MTP layer's tensors added → our import → our native checkpoint → our export: the
+    MTP tensors arrive unchanged, the export holds the checkpoint's keys and declares the MTP layer. Returns our
+    model read back and transformers' model loaded from the export."""
     hf.save_pretrained(tmp_path / "hub")
     state = load_file(tmp_path / "hub" / "model.safetensors")
     mtp = mtp_tensors(hf)
@@ -120,8 +122,13 @@ def test_export_round_trip_and_mtp_layers_carried_unchanged(tmp_path):
         assert torch.equal(exported[k], v), k
     assert set(exported) == set(state) | set(mtp)            # the same keys as the checkpoint it came from
     config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert config["architectures"] == ["Glm4MoeForCausalLM"] and config["num_nextn_predict_layers"] == 1
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    assert config["architectures"] == [type(hf).__name__] and config["num_nextn_predict_layers"] == 1
+    return back, AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+
+
+def test_export_round_trip_and_mtp_layers_carried_unchanged(tmp_path):
+    hf = hf_model("grouped", mtp=1)
+    back, reloaded = round_trip_with_mtp(hf, tmp_path)
     x = ids()
     with torch.no_grad():
         assert (reloaded(x).logits - back(x)).abs().max().item() <= 1e-5

@@ -16,6 +16,7 @@ import torch
 from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config
 from glm_lora.engine import dist
+from glm_lora.engine.fit import decoder_config
 from glm_lora.engine.memory import GiB, describe, lora_memory
 from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport
@@ -28,7 +29,6 @@ from glm_lora.evaluation.metrics import read_task_rows
 from glm_lora.model import gguf_support
 from glm_lora.model.lora import check_lora
 from glm_lora.model.model import DecoderConfig
-from glm_lora.engine.fit import decoder_config
 
 log = logging.getLogger("glm_lora.preflight")
 

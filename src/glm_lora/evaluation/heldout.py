@@ -42,16 +42,17 @@ def eval_lm(cfg: Config, model, tok, data_dir: Path) -> dict:
             "data": {"pretrain_eval": split_provenance(data_dir, "pretrain_eval", len(texts))}}
 
 
-def eval_mtp(cfg: Config, model, tok, data_dir: Path, rows: list[dict] | None = None) -> dict:
-    """A model with an MTP layer: its draft acceptance on sft_eval's answers (evaluation/mtp.py; `rows`: those rows
-    read already); {} without one."""
+def eval_mtp(cfg: Config, model, tok, data_dir: Path, examples: list | None = None) -> dict:
+    """A model with an MTP layer: its draft acceptance on sft_eval's answers (evaluation/mtp.py; `examples`: those
+    rows tokenised already, `answer_examples`); {} without one."""
     if not mtp.has_mtp(model):
         return {}
-    if rows is None:
+    if examples is None:
         dc = cfg.data
         rows = read_task_rows(split_path(data_dir, "sft_eval"), limit=cfg.eval.max_rows, on_bad_row=dc.on_bad_row,
                               report=CleanReport(max_examples=0), max_line_bytes=dc.max_line_bytes)
-    return acceptance(model, answer_examples(tok, rows, seq_len=cfg.sft.seq_len), seq_len=cfg.sft.seq_len)
+        examples = answer_examples(tok, rows, seq_len=cfg.sft.seq_len)
+    return acceptance(model, examples, seq_len=cfg.sft.seq_len)
 
 
 def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
@@ -64,8 +65,9 @@ def eval_tasks(cfg: Config, model, tok, data_dir: Path) -> dict:
         log.warning("sft_eval: skipped %d bad rows, e.g. %s", report.dropped["bad_row"],
                     report.examples.get("bad_row", []))
     metrics = task_metrics(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens)
-    answers = answer_metrics(model, tok, rows, seq_len=cfg.sft.seq_len)
-    return {**metrics, **answers, **eval_mtp(cfg, model, tok, data_dir, rows),
+    examples = answer_examples(tok, rows, seq_len=cfg.sft.seq_len)          # tokenised once for both
+    answers = answer_metrics(model, examples, seq_len=cfg.sft.seq_len)
+    return {**metrics, **answers, **eval_mtp(cfg, model, tok, data_dir, examples),
             "bad_rows_sft_eval": report.dropped.get("bad_row", 0),
             "data": {"sft_eval": split_provenance(data_dir, "sft_eval", len(rows))}}
 

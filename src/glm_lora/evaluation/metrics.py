@@ -174,11 +174,10 @@ def answer_examples(tok, rows: list[dict], *, seq_len: int) -> list[tuple[list[i
     return examples
 
 
-def answer_metrics(model, tok, rows: list[dict], *, seq_len: int, batch_rows: int = 8) -> dict:
+def answer_metrics(model, examples: list[tuple[list[int], list[int]]], *, seq_len: int, batch_rows: int = 8) -> dict:
     """Answer-token loss and perplexity: the SFT loss (assistant tokens only) over the rows' whole
-    conversations, tokenised and packed as in training (each row within seq_len, truncated).
-    Meaningful on any chat data, task families or not."""
-    source, device = _Examples(answer_examples(tok, rows, seq_len=seq_len)), model_device(model)
+    conversations (`answer_examples`), packed as in training. Meaningful on any chat data, task families or not."""
+    source, device = _Examples(examples), model_device(model)
     total, count = 0.0, 0
     with evaluating(model):
         for batch in PackedBatches(source, iter(range(len(source))), rows=batch_rows, seq_len=seq_len):

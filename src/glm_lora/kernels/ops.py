@@ -230,7 +230,8 @@ def sparse_kernel_pays(q: torch.Tensor, keys: int) -> bool:
     return keys >= SPARSE_KERNEL_MIN_KEYS or not q.is_cuda
 
 
-index_topk = reference.index_topk           # DSA's indexer top-k, chunked torch on every device (no_grad)
+index_topk = reference.index_topk
+indexer_scores = reference.indexer_scores           # DSA's indexer top-k, chunked torch on every device (no_grad)
 rope_cos_sin = reference.rope_cos_sin
 moe_experts = moe.moe_experts               # grouped_mm / grouped_lora_mm around the MoE routing (kernels/moe.py)
 nf4_lora_linear = qlora.nf4_lora_linear     # torch GEMMs around W rebuilt by dequantize_nf4 (above)

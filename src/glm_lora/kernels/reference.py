@@ -301,6 +301,13 @@ INDEX_CHUNK_BYTES = 1 << 30      # the default chunk keeps index_topk's fp32 (B,
 
 
 @torch.no_grad()
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """DSA's lightning indexer scores in fp32: score[b, t, s] = Σ_h weights[b, t, h] · relu(scale · q[b, t, h]·k[b, s]);
+    q (B, T, H, D), k (B, S, D), weights (B, T, H) → (B, T, S), transformers' GlmMoeDsaIndexer.forward op for op."""
+    scores = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * scale)   # (B, T, H, S)
+    return torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
+
+
 def index_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, doc_ids: torch.Tensor | None, topk: int,
                scale: float, chunk: int | None = None, prefix_docs: torch.Tensor | None = None) -> torch.Tensor:
     """DSA's lightning indexer: each query's `topk` highest-scoring earlier keys of its own document (and of the
@@ -325,9 +332,7 @@ def index_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, doc_ids:
     pos = torch.arange(T, device=q.device)
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
-        keys = k[:, :c1].float().transpose(-1, -2).unsqueeze(1)                      # (B, 1, D, c1)
-        scores = F.relu(torch.matmul(q[:, c0:c1].float(), keys) * scale)            # (B, c, H, c1)
-        scores = torch.matmul(weights[:, c0:c1].float().unsqueeze(-2), scores).squeeze(-2)   # (B, c, c1)
+        scores = indexer_scores(q[:, c0:c1], k[:, :c1], weights[:, c0:c1], scale)    # (B, c, c1)
         allowed = (pos[:c1] <= pos[c0:c1, None])[None]
         if doc_ids is not None:
             allowed = allowed & (doc_ids[:, c0:c1, None] == doc_ids[:, None, :c1])

@@ -63,6 +63,10 @@ MTP_LORA = "mtp_lora.safetensors"
 MTP_LORA_IGNORED = ("it trained the MTP (multi-token prediction) layer too, and vLLM never applies a LoRA to the MTP "
                     "draft model, so speculative decoding would draft with the untrained layer; its merged form (MTP "
                     "layer updated) is served instead")
+# vLLM's latent attention (GLM-4.7-Flash, GLM-5) decodes with kv_b_proj folded into the other weights at load, so a
+# LoRA on kv_b_proj is accepted and never applied: served as a LoRA, the model would silently not be the trained one.
+KV_B_PROJ_IGNORED = ("it adapts kv_b_proj, whose LoRA vLLM accepts and never applies (its latent attention decodes "
+                     "with kv_b_proj folded into other weights at load); its merged form is served instead")
 # Beside a PEFT adapter trained on a 4-bit base (lora.quantization nf4): transformers' BitsAndBytesConfig
 # arguments that load its base as it was trained (our NF4 format is bitsandbytes' own: tests/kernels/test_nf4.py).
 BASE_QUANTIZATION = "base_quantization.json"
@@ -103,9 +107,3 @@ def vllm_unservable(adapter_dir: Path) -> str | None:
     if "kv_b_proj" in (config.get("target_modules") or []):
         return KV_B_PROJ_IGNORED
     return None
-
-
-# vLLM's latent attention (GLM-4.7-Flash, GLM-5) decodes with kv_b_proj folded into the other weights at load, so a
-# LoRA on kv_b_proj is accepted and never applied: served as a LoRA, the model would silently not be the trained one.
-KV_B_PROJ_IGNORED = ("it adapts kv_b_proj, whose LoRA vLLM accepts and never applies (its latent attention decodes "
-                     "with kv_b_proj folded into other weights at load); its merged form is served instead")

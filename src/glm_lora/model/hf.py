@@ -281,11 +281,7 @@ def _latent_attention_config(hf: dict, arch: str, source: str) -> DecoderConfig:
     if arch == "glm4_moe_lite" and hf.get("rope_interleave", True) is not True:
         raise BaseModelError(f"{source}: rope_interleave {quote(hf['rope_interleave'])} is not supported; supported: "
                              "true (GLM-4.7-Flash's checkpoints rotate interleaved pairs)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} is not supported for model_type "
-                             f"{quote(arch)}; supported: 1.0 (qk_rope_head_dim is the rotated part)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}      # its type and partial rotary: checked
     moe = _moe_fields(hf, source, arch)
     dsa = {}
     if arch == "glm_moe_dsa":
@@ -386,7 +382,7 @@ def _moe_fields(hf: dict, source: str, arch: str = "glm4_moe") -> dict:
         if key in hf and hf[key] != want:
             raise BaseModelError(f"{source}: {key} {quote(hf[key])} is not supported for model_type {quote(arch)}; "
                                  f"supported: {want!r} (GLM-4.5's router)")
-    defaults = MOE_DEFAULTS[arch] if arch != "glm4_moe" else _GLM4_MOE_DEFAULTS   # glm4_moe: its keys are required
+    defaults = MOE_DEFAULTS[arch]        # glm4_moe has none for the expert counts: config.json must hold them
     out = {k: hf.get(k, defaults.get(k)) for k in (*MOE_KEYS, "num_nextn_predict_layers")}
     if LAYOUTS[arch].mla:
         out["first_k_dense_replace"] = _dense_layers(hf, source, arch, defaults)

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.errors import UserError
-from glm_lora.configs.schema import ALL_LINEAR, INDEXER_PROJECTIONS, LoRAConfig     # "all-linear": PEFT's term for every linear projection
+from glm_lora.configs.schema import ALL_LINEAR, INDEXER_PROJECTIONS, LoRAConfig   # ALL_LINEAR: PEFT's "all-linear"
 from glm_lora.kernels.moe import ExpertLoRA
 from glm_lora.kernels.reference import NF4_BLOCK
 from glm_lora.model.model import MLP, Attention, Experts, Indexer, LatentAttention

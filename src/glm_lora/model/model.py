@@ -331,13 +331,6 @@ class KeySelection:
         self.chosen: dict[int, torch.Tensor] = {}
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """DSA's lightning indexer: score[b, t, s] = Σ_h weights[b, t, h] · relu(scale · q[b, t, h] · k[b, s]), in fp32.
-    q (B, T, H, D), k (B, S, D), weights (B, T, H) → (B, T, S) (transformers' GlmMoeDsaIndexer)."""
-    scores = torch.einsum("bthd,bsd->bths", q.float(), k.float()).mul_(scale).relu_()
-    return torch.einsum("bth,bths->bts", weights.float(), scores)
-
-
 class Indexer(nn.Module):
     """GLM-5's DSA indexer (transformers' GlmMoeDsaIndexer): queries from the attention's query latent (wq_b), one
     shared LayerNorm'd key (wk, k_norm), per-head weights from the hidden state (weights_proj), the first
@@ -376,7 +369,7 @@ class Indexer(nn.Module):
         (the cache's; None while prefilling: causal)."""
         q, k, weights = self.queries_and_keys(x, q_latent, cos, sin)
         keys = cache.update_index(layer, k)
-        scores = indexer_scores(q, keys, weights, self.head_dim ** -0.5)            # (B, T, S)
+        scores = kernels.indexer_scores(q, keys, weights, self.head_dim ** -0.5)    # (B, T, S)
         if mask is None:
             mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).tril()[None, None]
         scores = scores.masked_fill(~mask[:, 0], float("-inf"))
@@ -439,15 +432,21 @@ class LatentAttention(nn.Module):
         if hasattr(self, "q_a_proj"):
             q_latent = self.q_a_layernorm(q)
             q = self.q_b_proj(q_latent)
-        q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)                 # (B, H, T, nope + rope)
+        q_nope, q_rope = q.view(B, T, H, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         latent, k_rope = kv_a.split([self.kv_rank, self.rope], dim=-1)
-        latent_normed = self.kv_a_layernorm(latent)
-        kv = self.kv_b_proj(latent_normed).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = kernels.apply_rope(q_rope, k_rope.view(B, T, 1, self.rope).transpose(1, 2), cos, sin,
                                             interleaved=True)
-        q = torch.cat((q_nope, q_rope), dim=-1)
+        if isinstance(mask, KeySelection):          # DSA's sparse path: the full layers choose, shared ones reuse
+            if hasattr(self, "indexer"):
+                mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask)
+            chosen = mask.chosen[self.chooser]
+            if ABSORBED_SPARSE.get(x.device.type, False) and kernels.sparse_kernel_pays(q, T):
+                return self.o_proj(self._absorbed_sparse(q_nope, q_rope, latent, k_rope, chosen).transpose(1, 2)
+                                   .reshape(B, T, H * self.v_dim))
+        kv = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)                                   # (B, H, T, qk_head_dim)
         k = torch.cat((k_nope, k_rope.expand(B, H, T, self.rope)), dim=-1)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
@@ -457,13 +456,7 @@ class LatentAttention(nn.Module):
                                                                               self.layer_idx, mask)
                 mask = cache.chosen[self.chooser]
         if isinstance(mask, KeySelection):
-            if hasattr(self, "indexer"):
-                mask.chosen[self.layer_idx] = self.indexer.choose(x, q_latent, cos, sin, mask)
-            chosen = mask.chosen[self.chooser]
-            if ABSORBED_SPARSE.get(x.device.type, False) and kernels.sparse_kernel_pays(q, T):
-                y = self._absorbed_sparse(q_nope, q_rope, latent_normed, k_rope, chosen)
-            else:
-                y = kernels.sparse_attention(q, k, v, chosen, self.scale)
+            y = kernels.sparse_attention(q, k, v, mask.chosen[self.chooser], self.scale)
         else:
             y = kernels.attention(q, k, v, mask)                                   # (B, H, T, v_head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
@@ -728,14 +721,7 @@ class Decoder(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        cfg = self.config
-        cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
-                                        interleaved=cfg.layout.rope_interleaved)   # (B, T, rotary_dim)
-        mask = None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs)
-        if cache is not None:
-            mask = cache.start(position_ids)
-        elif cfg.layout.dsa and self.sparse_attention_pays(input_ids, doc_ids, prefix_docs):
-            mask = KeySelection(doc_ids, prefix_docs)
+        cos, sin, mask = self.attention_inputs(position_ids, doc_ids, prefix_docs, cache)
         x, h = self.model.embed_tokens(input_ids), None                           # (B, T, C); h: see Block
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
@@ -745,13 +731,26 @@ class Decoder(nn.Module):
                 x, h = layer(x, h, cos, sin, mask, cache)
         return self.model.norm.add(x, h)[1]
 
-    def sparse_attention_pays(self, input_ids, doc_ids, prefix_docs) -> bool:
-        """DSA: whether this forward takes the sparse path (each query its index_topk chosen keys) or the dense one,
-        which is exact while no document is longer than index_topk (every earlier key is then chosen). Counted in
-        `attention_paths` for the stage metrics."""
-        T = input_ids.shape[1]    # a shared prompt's answers read it as well: then the whole row is what may not fit
-        longest = T if doc_ids is None or prefix_docs is not None else longest_document(doc_ids)
-        sparse = T > self.config.index_topk and longest > self.config.index_topk
+    def attention_inputs(self, position_ids, doc_ids=None, prefix_docs=None, cache: KVCache | None = None):
+        """What every layer of a forward reads besides its input: the RoPE tables (B, T, rotary_dim) at `position_ids`,
+        and the mask — the packed rows' document mask, the cache's while decoding, or a KeySelection where DSA takes
+        its sparse path (see `sparse_attention_pays`)."""
+        cfg = self.config
+        cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
+                                        interleaved=cfg.layout.rope_interleaved)
+        if cache is not None:
+            return cos, sin, cache.start(position_ids)
+        if cfg.layout.dsa and self.sparse_attention_pays(position_ids.shape[1], doc_ids, prefix_docs):
+            return cos, sin, KeySelection(doc_ids, prefix_docs)
+        return cos, sin, None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs)
+
+    def sparse_attention_pays(self, T: int, doc_ids, prefix_docs) -> bool:
+        """DSA: whether a forward over rows of T tokens takes the sparse path (each query its index_topk chosen keys)
+        or the dense one, which is exact while no document is longer than index_topk (every earlier key is then
+        chosen). Counted in `attention_paths` for the stage metrics. Past index_topk, packed rows cost one host sync
+        (`longest_document`); a shared prompt's answers read it as well, so there the row's length decides."""
+        topk = self.config.index_topk
+        sparse = T > topk and (doc_ids is None or prefix_docs is not None or longest_document(doc_ids) > topk)
         path = "sparse" if sparse else "dense"
         self.attention_paths[path] = self.attention_paths.get(path, 0) + 1
         return sparse

@@ -26,7 +26,7 @@ from glm_lora.configs.errors import UserError
 from glm_lora.data.packing import IGNORE
 from glm_lora.kernels import ops as kernels
 from glm_lora.model.hf import EXPERT_WEIGHTS, split_experts, stack_experts
-from glm_lora.model.model import Decoder, KeySelection, MTPLayer, mtp_config, shapes_only
+from glm_lora.model.model import Decoder, MTPLayer, mtp_config, shapes_only
 
 MODULE = "mtp"      # the attached layer's path: model.mtp[str(L)]
 
@@ -162,11 +162,7 @@ def states(model: Decoder, layer: MTPLayer, hidden: torch.Tensor, batch: dict) -
     positions = positions[:, :-1]
     docs = batch["doc_ids"][:, :-1] if batch.get("packed") else None
     prefix_docs = batch["prefix_docs"][:, :-1] if batch.get("prefix_docs") is not None else None
-    cfg = model.config
-    cos, sin = kernels.rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, interleaved=cfg.layout.rope_interleaved)
-    mask = None if docs is None else kernels.document_causal_mask(docs, prefix_docs)
-    if cfg.layout.dsa and model.sparse_attention_pays(ids[:, 1:], docs, prefix_docs):
-        mask = KeySelection(docs, prefix_docs)
+    cos, sin, mask = model.attention_inputs(positions, docs, prefix_docs)
     embed = layer.embed_tokens if hasattr(layer, "embed_tokens") else model.model.embed_tokens
     return layer(embed(ids[:, 1:]), hidden[:, :-1], positions, cos, sin, mask)
 

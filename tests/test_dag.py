@@ -539,6 +539,16 @@ def test_a_glm45_moe_base_on_user_files_runs_the_dag_serves_merged_with_parity_a
         s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
     assert states["serve"] == "Completed" and again["matches_inprocess"] is True
 
+    # QLoRA on the same base and steps: every routed expert in 4 bits; held-out answer loss within 2 % of the above
+    from glm_lora.configs.load import load_config
+    from glm_lora.flows.cli import run_one_stage
+    read = lambda name: json.loads((run_dir / "sft" / name).read_text())          # noqa: E731
+    full, full_losses = read("manifest.json")["metrics"]["eval"], read("losses.json")
+    run_one_stage("sft", load_config("tiny", {**overrides, "sft.lora.quantization": "nf4"}))
+    nf4, nf4_losses = read("manifest.json")["metrics"]["eval"], read("losses.json")
+    assert len(nf4_losses) == len(full_losses) and nf4_losses != full_losses      # the experts really were 4-bit
+    assert abs(nf4["answer_loss"] / full["answer_loss"] - 1) <= 0.02, (nf4["answer_loss"], full["answer_loss"])
+
 
 def _latent_base(path: Path, kind: str) -> tuple[Path, dict]:
     """A tiny random GLM-4.7-Flash-style Glm4MoeLiteForCausalLM (`flash`: latent attention at the one latent width

@@ -9,6 +9,8 @@ import torch
 from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled, merge_lora
 from glm_lora.model.lora import LoRAConfigError, LoRAExperts, lora_modules, lora_state_dict
+from glm_lora.model.model import Experts
+from glm_lora.model.quant import NF4Experts
 
 torch.set_num_threads(1)
 VOCAB = 61
@@ -94,7 +96,6 @@ def test_targets_choose_shared_or_routed_experts():
     (LoRAConfig(target_modules=["gate_up_proj"]), "lora.target_modules ['gate_up_proj'] not found in the model "
                                                   "(glm4_moe layout); supported: "),
     (LoRAConfig(target_modules="all-linear", dropout=0.1), "dropout 0.1 on the routed experts is not supported"),
-    (LoRAConfig(target_modules=["experts.down_proj"], quantization="nf4"), "nf4 on the routed experts is not supported"),
 ])
 def test_moe_targets_refused_naming_what_exists(lora, message):
     m = moe_model()
@@ -129,3 +130,63 @@ def test_bf16_autocast_trains_the_moe_adapter_like_fp32():
     assert abs(loss.item() - ref.item()) < 0.05 * ref.item()
     g = m.model.layers[2].mlp.experts.gate_proj.lora_A.weight.grad
     assert g is not None and g.dtype == torch.float32 and g.abs().sum() > 0
+
+
+def _dequantised_copy(m: Decoder) -> Decoder:
+    """`m` (nf4) with every 4-bit expert stack put back as the parameter it dequantises to."""
+    ref = copy.deepcopy(m)
+    for e in ref.modules():
+        if type(e) is Experts:
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(e, name)
+                delattr(e, name)
+                setattr(e, name, torch.nn.Parameter(w.dequantize(), requires_grad=False))
+    return ref
+
+
+def test_nf4_puts_every_routed_expert_in_4_bits_and_trains_their_lora_like_the_dequantised_base():
+    """QLoRA on a mixture of experts: targeted and untargeted experts alike are held in 4 bits (only the adapter
+    trains and is saved); the forward, the expert LoRA's gradients, the adapter off and the merge all equal the same
+    model on the dequantised experts."""
+    m = moe_model(seed=3)
+    full = copy.deepcopy(m)
+    inject_lora(m, LoRAConfig(target_modules=["q_proj", "experts.gate_proj", "experts.up_proj"], r=4, alpha=8,
+                              quantization="nf4"))
+    targeted, untargeted = m.model.layers[1].mlp.experts, m.model.layers[2].mlp.experts
+    assert isinstance(targeted, LoRAExperts) and isinstance(targeted.base_layer.gate_up_proj, NF4Experts)
+    assert isinstance(targeted.base_layer.down_proj, NF4Experts)
+    assert isinstance(untargeted, LoRAExperts) and isinstance(untargeted.base_layer.down_proj, NF4Experts)
+    assert not any(p.is_floating_point() and not p.requires_grad and p.dim() == 3 for p in m.parameters())
+    assert set(lora_state_dict(m)) == {k for k, p in m.named_parameters() if p.requires_grad}
+    randomise_b(m)
+    ref = _dequantised_copy(m)
+    x = ids(B=3, T=11)
+    m.train(), ref.train()
+    out, expected = m(x), ref(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (out - full(x)).abs().max() > 1e-3                  # 4 bits are not the full-precision experts
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    ref_grads = dict(ref.named_parameters())
+    assert any(".experts.gate_proj.lora_A" in n for n in grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n].grad, atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), lora_disabled(m), lora_disabled(ref):
+        torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        adapted = m(x)
+        merge_lora(m)
+        torch.testing.assert_close(m(x), adapted, atol=1e-5, rtol=1e-5)
+    assert set(m.state_dict()) == set(full.state_dict())       # plain experts again, nothing 4-bit left
+    assert m.model.layers[2].mlp.experts.gate_up_proj.dtype == torch.float32
+
+
+def test_nf4_experts_refused_when_an_expert_is_not_whole_blocks():
+    torch.manual_seed(0)
+    m = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=36, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=20,
+                              intermediate_size=64, max_seq_len=16, arch="glm4_moe", n_routed_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=10, first_k_dense_replace=1))
+    with pytest.raises(LoRAConfigError, match=r"each routed expert's weight to hold a multiple of 64 weights; not "
+                                              r"\(20, 36\), \(36, 10\)"):
+        inject_lora(m, LoRAConfig(target_modules=["experts.gate_proj", "experts.up_proj"], quantization="nf4"))

@@ -118,7 +118,7 @@ def _check_memory(cfg: Config, layout: DecoderConfig) -> None:
                 raise UserError(f"{stage} needs about {need['total'] / GiB:.1f} GiB per GPU ({describe(need)}) and "
                                 f"this GPU has {have / GiB:.1f} GiB (base_model {cfg.base_model}): set dist.strategy fsdp2 "
                                 f"over more GPUs (dist.nproc_per_node), {stage}.activation_checkpointing: true, a "
-                                f"smaller {stage}.batch_size, or {stage}.lora.quantization nf4 (non-expert layers)")
+                                f"smaller {stage}.batch_size, or {stage}.lora.quantization nf4 (4-bit frozen layers and experts)")
 
 
 def _check_preference_rows(cfg: Config) -> None:

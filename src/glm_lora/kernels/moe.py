@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from glm_lora.kernels.reference import NF4Stack
+
 
 class ExpertLoRA(NamedTuple):
     """Per-expert LoRA factors for one projection: y += scale · (x aₑᵀ) bₑᵀ, a (E, r, in), b (E, out, r)."""
@@ -35,19 +37,23 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, order // experts.shape[1], counts.cumsum(0).to(torch.int32)
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, lora: ExpertLoRA | None) -> torch.Tensor:
+def _project(x: torch.Tensor, weight: torch.Tensor | NF4Stack, offsets: torch.Tensor,
+             lora: ExpertLoRA | None) -> torch.Tensor:
     from glm_lora.kernels import ops as kernels
+    if isinstance(weight, NF4Stack):
+        return kernels.grouped_nf4_mm(x, weight, offsets, *(lora or ()))
     if lora is None:
         return kernels.grouped_mm(x, weight, offsets)
     return kernels.grouped_lora_mm(x, weight, lora.a, lora.b, lora.scale, offsets)
 
 
-def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, gate_up_lora: ExpertLoRA | None = None,
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | NF4Stack,
+                down: torch.Tensor | NF4Stack, gate_up_lora: ExpertLoRA | None = None,
                 down_lora: ExpertLoRA | None = None) -> torch.Tensor:
     """Σ over each token's chosen experts e of weight · down_e(silu(gate_e x) · up_e x).
 
-    x (N, C); experts, weights (N, k); gate_up (E, 2I, C) with [gate | up] rows; down (E, C, I). Under autocast x
+    x (N, C); experts, weights (N, k); gate_up (E, 2I, C) with [gate | up] rows; down (E, C, I); either may be a
+    frozen 4-bit stack (QLoRA: kernels.reference.NF4Stack, dequantised inside the grouped GEMM). Under autocast x
     is cast before it is gathered (the GEMMs take that dtype anyway: half the bytes moved) and the result is in it.
     """
     from glm_lora.kernels import ops as kernels

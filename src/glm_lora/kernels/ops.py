@@ -24,7 +24,8 @@ and 5632×2048, 1.25–1.65× at 2048² (two runs), for a quarter of its weight'
 
 grouped_mm / grouped_lora_mm (MoE experts: one weight per group of rows sorted by expert): the Triton grouped
 GEMM (kernels/triton_grouped_mm.py) on CUDA, the per-expert loop of the reference elsewhere; torch._grouped_mm
-is the alternative that `GROUPED_MM_AUTO` (below) can switch "auto" to.
+is the alternative that `GROUPED_MM_AUTO` (below) can switch "auto" to. grouped_nf4_mm: the same over routed
+experts held in 4 bits (QLoRA on a mixture of experts), each weight tile dequantised inside the Triton GEMM.
 
 Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
 "flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped); "varlen" FlashAttention's
@@ -56,6 +57,7 @@ _MODULES = {"rms_norm": "triton_rms_norm", "add_rms_norm": "triton_rms_norm", "a
             "lora_linear": "triton_lora_linear", "linear_cross_entropy": "triton_linear_loss",
             "linear_token_logprobs": "triton_linear_loss", "dequantize_nf4": "triton_nf4",
             "grouped_mm": "triton_grouped_mm", "grouped_lora_mm": "triton_grouped_mm",
+            "grouped_nf4_mm": "triton_grouped_mm",
             "sparse_attention": "triton_sparse_attention"}
 _BACKEND, _ATTENTION = "auto", "auto"     # what the ops below dispatch on; set by use() / using()
 
@@ -198,6 +200,12 @@ def grouped_lora_mm(x, w, a, b, scale, offsets):
     if _grouped_torch(GROUPED_LORA_MM_AUTO, x, w) and a.shape[1] % 8 == 0:
         return importlib.import_module("glm_lora.kernels.triton_grouped_mm").torch_grouped_lora_mm(x, w, a, b, scale, offsets)
     return _impl("grouped_lora_mm", x)(x, w, a, b, scale, offsets)
+
+
+def grouped_nf4_mm(x, w, offsets, a=None, b=None, scale=1.0):
+    """grouped_mm (with a, b: grouped_lora_mm) over a frozen 4-bit stack w (kernels.reference.NF4Stack): on CUDA each
+    tile of w is dequantised inside the GEMM; elsewhere w is dequantised whole, then the per-group loop."""
+    return _impl("grouped_nf4_mm", x)(x, w, offsets, a, b, scale)
 
 
 def sparse_attention(q, k, v, index, scale):

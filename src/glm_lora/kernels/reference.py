@@ -1,6 +1,8 @@
 """Pure-PyTorch reference ops. The fused Triton kernels must match these (forward and backward)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -201,6 +203,39 @@ def dequantize_nf4(packed: torch.Tensor, absmax_codes: torch.Tensor, nested_absm
     absmax = absmax + offset
     indices = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1, NF4_BLOCK).long()
     return (code[indices] * absmax[:, None]).view(-1).to(dtype)
+
+
+class NF4Stack(NamedTuple):
+    """Stacked frozen weights (G, N, K), each group (a routed expert) quantised alone in bitsandbytes' NF4 layout
+    (what `dequantize_nf4` reads, one row per group): packed (G, N·K/2) uint8, absmax_codes (G, N·K/64) uint8,
+    nested_absmax (G, ⌈N·K/64/256⌉) fp32, offset (G,) fp32, the tables code (16,) and nested_code (256,) fp32."""
+
+    packed: torch.Tensor
+    absmax_codes: torch.Tensor
+    nested_absmax: torch.Tensor
+    offset: torch.Tensor
+    code: torch.Tensor
+    nested_code: torch.Tensor
+    shape: tuple[int, int, int]
+
+
+def dequantize_nf4_stack(w: NF4Stack, dtype: torch.dtype) -> torch.Tensor:
+    """The (G, N, K) weight in `dtype`: `dequantize_nf4` per group, each with its own offset (same float ops)."""
+    G, n_blocks = w.absmax_codes.shape
+    nested = w.nested_absmax.repeat_interleave(NESTED_BLOCK, dim=1)[:, :n_blocks]
+    absmax = w.nested_code[w.absmax_codes.long()] * nested
+    absmax = absmax + w.offset[:, None]
+    indices = torch.stack((w.packed >> 4, w.packed & 0xF), dim=-1).view(G, -1, NF4_BLOCK).long()
+    return (w.code[indices] * absmax[:, :, None]).to(dtype).view(w.shape)
+
+
+def grouped_nf4_mm(x: torch.Tensor, w: NF4Stack, offsets: torch.Tensor, a: torch.Tensor | None = None,
+                   b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """`grouped_mm` (with a, b: `grouped_lora_mm`) over the 4-bit stack: dequantised into x's (autocast) dtype,
+    then the per-group loop. Gradients to x, a, b."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    weight = dequantize_nf4_stack(w, dtype)
+    return grouped_mm(x, weight, offsets) if a is None else grouped_lora_mm(x, weight, a, b, scale, offsets)
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:

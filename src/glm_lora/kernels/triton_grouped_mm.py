@@ -47,13 +47,15 @@ full-size gradient per expert).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from glm_lora.kernels.reference import check_grouped
+from glm_lora.kernels.reference import NF4Stack, check_grouped
 
 # jit functions are bound to the interpreter at import time, so decide once, here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -86,10 +88,13 @@ def _tile_group(offs_ptr, G, M, pid_m, BLOCK_M: tl.constexpr, BLOCK_G: tl.conste
 @triton.jit
 def _grouped_mm_kernel(l_ptr, r_ptr, c_ptr, p_ptr, q_ptr, offs_ptr, M, N, K, R, G, scale,
                        s_lm, s_lk, s_rg, s_rk, s_rn, s_cm, s_cn, s_pm, s_pr, s_qg, s_qr, s_qn,
-                       HAS_LORA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       absmax_codes_ptr, nested_absmax_ptr, offset_ptr, code_ptr, nested_code_ptr, s_ag, s_ng,
+                       HAS_LORA: tl.constexpr, NF4: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr):
-    """C[rows_g] = L[rows_g] · R[g] (+ scale · P[rows_g] · Q[g]) for one (row tile, N tile)."""
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
+                       NF4_BLOCK: tl.constexpr = 64, NESTED_BLOCK: tl.constexpr = 256):
+    """C[rows_g] = L[rows_g] · R[g] (+ scale · P[rows_g] · Q[g]) for one (row tile, N tile). NF4: R[g] is read from
+    group g's 4-bit codes (r_ptr: packed bytes) and scales and dequantised in registers, tile by tile."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M) + G                         # bound on the row tiles of any grouping
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -109,10 +114,27 @@ def _grouped_mm_kernel(l_ptr, r_ptr, c_ptr, p_ptr, q_ptr, offs_ptr, M, N, K, R, 
     in_m, in_n = rm < row_end, rn < N
     l_tile = l_ptr + rm[:, None].to(tl.int64) * s_lm + rk[None, :] * s_lk
     r_tile = r_ptr + g.to(tl.int64) * s_rg + rk[:, None] * s_rk + rn[None, :].to(tl.int64) * s_rn
+    if NF4:     # the element index within group g's weight (< 2³¹: checked by the launcher) and its scale inputs
+        w_idx = rk[:, None] * s_rk + rn[None, :] * s_rn
+        packed_g = r_ptr + g.to(tl.int64) * s_rg
+        codes_g = absmax_codes_ptr + g.to(tl.int64) * s_ag
+        nested_g = nested_absmax_ptr + g.to(tl.int64) * s_ng
+        offset_g = tl.load(offset_ptr + g)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         lt = tl.load(l_tile, mask=in_m[:, None] & (rk[None, :] < K - k0), other=0.0)
-        rt = tl.load(r_tile, mask=(rk[:, None] < K - k0) & in_n[None, :], other=0.0)
+        if NF4:     # kernels.reference.dequantize_nf4's float ops, rounded once to L's dtype
+            r_mask = (rk[:, None] < K - k0) & in_n[None, :]
+            idx = w_idx + k0 * s_rk
+            byte = tl.load(packed_g + (idx >> 1), mask=r_mask, other=0).to(tl.int32)
+            nibble = (byte >> ((1 - (idx & 1)) * 4)) & 0xF                      # an even element: the high nibble
+            block = idx // NF4_BLOCK
+            q = tl.load(codes_g + block, mask=r_mask, other=0).to(tl.int32)
+            absmax = tl.load(nested_code_ptr + q) * tl.load(nested_g + block // NESTED_BLOCK, mask=r_mask, other=0.0)
+            absmax = absmax + offset_g
+            rt = (tl.load(code_ptr + nibble) * absmax).to(l_ptr.dtype.element_ty)
+        else:
+            rt = tl.load(r_tile, mask=(rk[:, None] < K - k0) & in_n[None, :], other=0.0)
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=DOT_PRECISION)
@@ -211,26 +233,64 @@ def wgrad_config(P: int, Q: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_P=_np2(P), BLOCK_Q=_np2(Q), num_warps=8 if min(P, Q) > 64 else 4, num_stages=3)
 
 
-def grouped_gemm(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, p: torch.Tensor | None = None,
+class NF4Rhs(NamedTuple):
+    """A 4-bit stack W (G, N, K) as `grouped_gemm`'s right operand: Wᵀ (G, K, N) when `transposed` (x·Wᵀ), else W
+    as stored (dy·W). Its strides are those of that view of the dequantised weight, in elements."""
+
+    w: NF4Stack
+    transposed: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        G, N, K = self.w.shape
+        return (G, K, N) if self.transposed else (G, N, K)
+
+    def stride(self) -> tuple[int, int, int]:
+        K = self.w.shape[2]
+        return (self.w.packed.stride(0), 1, K) if self.transposed else (self.w.packed.stride(0), K, 1)
+
+
+def nf4_config(N: int, K: int, dtype: torch.dtype) -> dict:
+    """`mm_config` for a 4-bit right operand: the dequantised tile lives in registers beside the accumulator, so
+    at most 128 × 128 output tiles (H100 sweep in bench/RESULTS.md, "Mixture of experts at real scale")."""
+    cfg = mm_config(N, K, dtype)
+    if not _INTERPRET and dtype != torch.float32:
+        cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 128), num_stages=min(cfg.get("num_stages", 3), 3))
+    return cfg
+
+
+def grouped_gemm(lhs: torch.Tensor, rhs: torch.Tensor | NF4Rhs, offsets: torch.Tensor, p: torch.Tensor | None = None,
                  q: torch.Tensor | None = None, scale: float = 1.0, config: dict | None = None) -> torch.Tensor:
     """c[rows_g] = lhs[rows_g] · rhs[g] (+ scale · p[rows_g] · q[g]) for lhs (M, K), rhs (G, K, N), p (M, R),
-    q (G, R, N), any strides (pass x·Wᵀ as rhs = W.transpose(1, 2)); c (M, N) in lhs's dtype, fp32 accumulation
-    (with the rank-r term: (acc/s + p·q)·s, the same as acc + s·(p·q) up to fp32 rounding).
-    Rows outside [0, offsets[-1]) are not written. `config`: block sizes etc. instead of `mm_config`'s."""
+    q (G, R, N), any strides (pass x·Wᵀ as rhs = W.transpose(1, 2)), or rhs an NF4Rhs (dequantised per tile);
+    c (M, N) in lhs's dtype, fp32 accumulation (with the rank-r term: (acc/s + p·q)·s, the same as acc + s·(p·q)
+    up to fp32 rounding). Rows outside [0, offsets[-1]) are not written. `config`: block sizes etc."""
     M, K = lhs.shape
     G, _, N = rhs.shape
+    nf4 = isinstance(rhs, NF4Rhs)
     c = torch.empty(M, N, dtype=lhs.dtype, device=lhs.device)
-    cfg = dict(config or mm_config(N, K, lhs.dtype))
+    cfg = dict(config or (nf4_config if nf4 else mm_config)(N, K, lhs.dtype))
     has_lora = p is not None and scale != 0          # s = 0: the base GEMM alone, exactly
     R = p.shape[1] if has_lora else 0
-    p_, q_ = (p, q) if has_lora else (c, rhs)                    # unused pointers when not has_lora
+    r_ = rhs.w.packed if nf4 else rhs
+    p_, q_ = (p, q) if has_lora else (c, r_)                     # unused pointers when not has_lora
     p_strides = p.stride() if has_lora else (0, 0)
     q_strides = q.stride() if has_lora else (0, 0, 0)
+    if nf4:
+        if N * K >= 2**31:
+            raise ValueError(f"grouped_gemm: a 4-bit group of {N} × {K} weights is past the kernel's int32 index")
+        w = rhs.w
+        quant = (w.absmax_codes, w.nested_absmax, w.offset, w.code, w.nested_code, w.absmax_codes.stride(0),
+                 w.nested_absmax.stride(0))
+    else:
+        quant = (c, c, c, c, c, 0, 0)
     grid = ((triton.cdiv(M, cfg["BLOCK_M"]) + G) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _grouped_mm_kernel[grid](lhs, rhs, c, p_, q_, offsets, M, N, K, R, G, float(scale),
-                             *lhs.stride(), *rhs.stride(), *c.stride(), *p_strides, *q_strides,
-                             HAS_LORA=has_lora, BLOCK_R=_np2(R, 16, 64), BLOCK_G=max(16, triton.next_power_of_2(G)),
-                             **_dot_args(lhs.dtype), **cfg)
+    # No FMA contraction with NF4: a block's scale rounds its multiply and add apart, as the reference does.
+    _grouped_mm_kernel[grid](lhs, r_, c, p_, q_, offsets, M, N, K, R, G, float(scale),
+                             *lhs.stride(), *rhs.stride(), *c.stride(), *p_strides, *q_strides, *quant,
+                             HAS_LORA=has_lora, NF4=nf4, BLOCK_R=_np2(R, 16, 64),
+                             BLOCK_G=max(16, triton.next_power_of_2(G)), **_dot_args(lhs.dtype), **cfg,
+                             **({"enable_fp_fusion": False} if nf4 else {}))
     return c
 
 
@@ -306,6 +366,30 @@ class GroupedLoRAMMFunction(torch.autograd.Function):
         return dx, dw, da, db, None, None
 
 
+class GroupedNF4MMFunction(torch.autograd.Function):
+    """x · Wᵍᵀ (+ s · (x Aᵍᵀ) Bᵍᵀ) with W a frozen 4-bit stack (not an autograd input): gradients to x, a, b."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scale, offsets, w):
+        lora = a is not None
+        xa = grouped_gemm(x, a.transpose(1, 2), offsets) if lora else None
+        y = grouped_gemm(x, NF4Rhs(w, True), offsets, p=xa, q=b.transpose(1, 2) if lora else None, scale=scale)
+        ctx.save_for_backward(x if lora else None, a, b, xa, offsets)
+        ctx.scale, ctx.w = scale, w
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, a, b, xa, offsets = ctx.saved_tensors
+        need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        G, s = ctx.w.shape[0], ctx.scale
+        dyb = grouped_gemm(dy, b, offsets) if a is not None and (need_x or need_a) else None
+        dx = grouped_gemm(dy, NF4Rhs(ctx.w, False), offsets, p=dyb, q=a, scale=s) if need_x else None
+        da = grouped_wgrad(dyb, x, offsets, G, s) if need_a else None
+        db = grouped_wgrad(dy, xa, offsets, G, s) if need_b else None
+        return dx, da, db, None, None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Ops
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +435,24 @@ def grouped_lora_mm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.
         with torch.autocast(x.device.type, enabled=False):
             return GroupedLoRAMMFunction.apply(x, w, a, b, float(scale), offsets)
     return GroupedLoRAMMFunction.apply(x, w, a, b, float(scale), offsets)
+
+
+def grouped_nf4_mm(x: torch.Tensor, w: NF4Stack, offsets: torch.Tensor, a: torch.Tensor | None = None,
+                   b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """`grouped_mm` / `grouped_lora_mm` over a 4-bit stack W (G, N, K) (kernels.reference.NF4Stack), each tile of W
+    dequantised in registers: no full-size weight is ever written. Same as `kernels.reference.grouped_nf4_mm`."""
+    cast, tensors = _autocast(*(t for t in (x, a, b) if t is not None))
+    x, a, b = (tensors + [None, None])[:3]
+    G, N, K = w.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"grouped nf4 mm: x must be (M, {K}) for W {tuple(w.shape)}, got {tuple(x.shape)}")
+    check_grouped(x, x.new_empty(G, 0, K), offsets, values=CHECK_OFFSET_VALUES or offsets.device.type == "cpu")
+    if a is not None and (a.shape[::2] != (G, K) or b.shape[:2] != (G, N) or {a.dtype, b.dtype} != {x.dtype}):
+        raise ValueError(f"grouped nf4 mm: a must be (G, r, K) = ({G}, r, {K}) and b (G, N, r) = ({G}, {N}, r) in "
+                         f"{x.dtype}, got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    offsets = offsets.contiguous()
+    with torch.autocast(x.device.type, enabled=False) if cast else contextlib.nullcontext():
+        return GroupedNF4MMFunction.apply(x, a, b, float(scale), offsets, w)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,10 +14,13 @@ MLPs, the shared expert and every routed expert, `shared_experts.gate_proj` the 
 (`<layer>.mlp.experts.gate_proj.lora_A.weight` (E, r, in)); the frozen experts move to `.base_layer` (PEFT's
 name for a wrapped layer). The router (`mlp.gate`) stays frozen unless `modules_to_save` names `gate`.
 
-QLoRA (`quantization="nf4"`): each wrapped layer keeps its frozen base weight in 4 bits (model/quant.py)
+QLoRA (`quantization="nf4"`): each wrapped linear layer keeps its frozen base weight in 4 bits (model/quant.py)
 instead of as a parameter; it is rebuilt for each use (forward, backward, the adapter switched off, merge).
 It is neither a parameter nor a buffer, so it is in no state dict, checkpoint or DDP broadcast: the
 adapter is all that is saved, and the 4-bit base is made again from the base weights wherever it is needed.
+Every routed-experts stack goes to 4 bits too (NF4Experts, dequantised tile by tile inside the grouped GEMM); its
+arrays are frozen integer parameters, so FSDP2 shards them on the expert dim, and checkpoints (trainable tensors
+only) still hold the adapter alone.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from glm_lora.configs.schema import ALL_LINEAR, INDEXER_PROJECTIONS, LoRAConfig 
 from glm_lora.kernels.moe import ExpertLoRA
 from glm_lora.kernels.reference import NF4_BLOCK
 from glm_lora.model.model import MLP, Attention, Experts, Indexer, LatentAttention
-from glm_lora.model.quant import NF4Weight, quantize_nf4
+from glm_lora.model.quant import NF4Experts, NF4Weight, quantize_nf4
 
 
 class LoRAConfigError(UserError, ValueError):
@@ -152,10 +155,11 @@ class LoRAExperts(nn.Module):
     def __init__(self, base: Experts, projections: list[str], r: int, alpha: float):
         super().__init__()
         self.base_layer = base.requires_grad_(False)
-        E, two_i, C = base.gate_up_proj.shape
+        gate_up = base.gate_up_proj                              # a parameter, or its 4-bit module (NF4Experts)
+        E, two_i, C = gate_up.shape
         sizes = {"gate_proj": (C, two_i // 2), "up_proj": (C, two_i // 2), "down_proj": (two_i // 2, C)}
         for p in projections:
-            setattr(self, p, ExpertAdapter(E, *sizes[p], r, base.gate_up_proj.device, base.gate_up_proj.dtype))
+            setattr(self, p, ExpertAdapter(E, *sizes[p], r, gate_up.device, gate_up.dtype))
         self.r, self.alpha, self.scale, self.enabled = r, alpha, alpha / r, True
 
     def projections(self) -> list[str]:
@@ -177,12 +181,12 @@ class LoRAExperts(nn.Module):
         base = self.base_layer
         if not self.enabled:
             return base(x, experts, weights)
-        return kernels.moe_experts(x, experts, weights, base.gate_up_proj, base.down_proj,
-                                   self.gate_up_lora(), self.down_lora())
+        return kernels.moe_experts(x, experts, weights, *base.operands(), self.gate_up_lora(), self.down_lora())
 
     def merged(self) -> Experts:
-        """Plain Experts with every expert's W + (α/r)·B A folded in (W's dtype, computed in fp32)."""
-        base = self.base_layer
+        """Plain Experts with every expert's W + (α/r)·B A folded in (W's dtype, computed in fp32); a 4-bit W is
+        dequantised first (the base the adapter was trained on)."""
+        base = dequantized_experts(self.base_layer)
         weights = {"gate_up_proj": base.gate_up_proj.detach().float().clone(),
                    "down_proj": base.down_proj.detach().float().clone()}
         half = weights["gate_up_proj"].shape[1] // 2
@@ -271,12 +275,9 @@ def _plan(model: nn.Module, lora: LoRAConfig, section: str = "lora") -> tuple[li
     if experts and lora.dropout:
         raise LoRAConfigError(f"{section}.dropout {lora.dropout} on the routed experts is not supported (their LoRA runs "
                               f"inside the grouped expert GEMM); set {section}.dropout: 0 or leave the experts out")
-    if experts and lora.quantization != "none":
-        raise LoRAConfigError(f"{section}.quantization {lora.quantization} on the routed experts is not supported yet; "
-                              f"leave them out of {section}.target_modules (e.g. shared_experts.gate_proj) or set "
-                              f"{section}.quantization: none")
     if lora.quantization == "nf4":
         check_nf4_blocks(model, linear, f"{section}.quantization")
+        check_nf4_experts(model, f"{section}.quantization")
     return linear, experts
 
 
@@ -291,11 +292,15 @@ def check_lora(cfg, lora: LoRAConfig, section: str) -> None:
 def inject_lora(model: nn.Module, lora: LoRAConfig) -> list[str]:
     """Freeze `model`, wrap every projection `lora.target_modules` names (or every one: "all-linear"), and
     make the weights of `lora.modules_to_save` trainable. quantization "nf4": the wrapped linear layers' base
-    weights are replaced by their 4-bit form (QLoRA; the full-precision ones are freed). Returns the wrapped
-    projections' paths."""
+    weights and every routed expert (targeted or not: they are most of a mixture of experts' weights) are replaced
+    by their 4-bit form (QLoRA; the full-precision ones are freed). Returns the wrapped projections' paths."""
     linear, experts = _plan(model, lora)
     for p in model.parameters():
         p.requires_grad_(False)
+    if lora.quantization == "nf4":
+        for m in model.modules():
+            if type(m) is Experts:
+                quantize_experts(m)
     for name in linear:
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
@@ -307,6 +312,35 @@ def inject_lora(model: nn.Module, lora: LoRAConfig) -> list[str]:
     for m in saved_modules(model, lora.modules_to_save).values():
         m.weight.requires_grad_(True)
     return linear + [f"{path}.{p}" for path, projections in experts.items() for p in projections]
+
+
+def quantize_experts(experts: Experts) -> None:
+    """Each stacked expert weight of `experts` replaced by its 4-bit form, expert by expert (model/quant.py)."""
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, name)
+        if isinstance(w, nn.Parameter):
+            delattr(experts, name)
+            setattr(experts, name, NF4Experts(w.detach().unbind(0), w.shape[0]))
+
+
+def dequantized_experts(experts: Experts) -> Experts:
+    """`experts` with any 4-bit stack put back as a frozen parameter of the dtype it was made from (its own
+    dequantised values: what a 4-bit base's adapter is merged into)."""
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, name)
+        if isinstance(w, NF4Experts):
+            delattr(experts, name)
+            setattr(experts, name, nn.Parameter(w.dequantize(), requires_grad=False))
+    return experts
+
+
+def check_nf4_experts(model: nn.Module, key: str = "lora.quantization") -> None:
+    """Each routed expert's weights in whole NF4 blocks (see check_nf4_blocks); `model` may live on the meta device."""
+    bad = sorted({f"{tuple(w.shape[1:])}" for m in model.modules() if type(m) is Experts
+                  for w in (m.gate_up_proj, m.down_proj) if w.shape[1:].numel() % NF4_BLOCK})
+    if bad:
+        raise LoRAConfigError(f"{key} nf4 needs each routed expert's weight to hold a multiple of {NF4_BLOCK} "
+                              f"weights; not {', '.join(bad)} (hidden_size × moe_intermediate_size). Set {key}: none")
 
 
 def check_nf4_blocks(model: nn.Module, names: list[str], key: str = "lora.quantization") -> None:
@@ -399,7 +433,11 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], modul
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and put plain nn.Linear (and Experts) layers back."""
+    """Fold every adapter into its base weight and put plain nn.Linear (and Experts) layers back; routed experts
+    left 4-bit by QLoRA without an adapter are dequantised too."""
+    for m in model.modules():
+        if type(m) is Experts:
+            dequantized_experts(m)
     for name, m in lora_modules(model).items():
         parent_name, attr = name.rsplit(".", 1)
         if isinstance(m, LoRAExperts):

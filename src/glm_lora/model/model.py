@@ -540,7 +540,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """The routed experts as stacked weights (transformers 5's in-memory layout): gate_up_proj (E, 2I, C)
     with [gate | up] rows, down_proj (E, C, I). Each token's chosen experts run as grouped GEMMs
-    (kernels.moe_experts); LoRA on them is model/lora.py's LoRAExperts."""
+    (kernels.moe_experts); LoRA on them is model/lora.py's LoRAExperts. Under QLoRA each stack is a frozen 4-bit
+    module instead of a parameter (model/quant.py NF4Experts); `operands()` gives what the kernels read either way."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -548,8 +549,12 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
         self.down_proj = nn.Parameter(torch.empty(E, C, I))
 
+    def operands(self) -> tuple:
+        """(gate_up, down): each the stacked weight, or its 4-bit module's kernels.reference.NF4Stack."""
+        return tuple(w if isinstance(w, torch.Tensor) else w.stack() for w in (self.gate_up_proj, self.down_proj))
+
     def forward(self, x, experts, weights):
-        return kernels.moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+        return kernels.moe_experts(x, experts, weights, *self.operands())
 
 
 class MoE(nn.Module):

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Iterable
 
 import torch
+import torch.nn as nn
 
 from glm_lora.kernels import ops as kernels
-from glm_lora.kernels.reference import NESTED_BLOCK, NF4_BLOCK
+from glm_lora.kernels.reference import NESTED_BLOCK, NF4_BLOCK, NF4Stack, dequantize_nf4_stack
 
 # bitsandbytes' get_4bit_type("nf4"): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -109,3 +111,66 @@ def quantize_nf4(weight: torch.Tensor) -> NF4Weight:
     return NF4Weight(packed=packed, absmax_codes=absmax_codes.view(-1)[:centred.numel()].contiguous(),
                      nested_absmax=nested_absmax, offset=offset, code=code, nested_code=nested_code,
                      shape=weight.shape, dtype=weight.dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+class NF4Experts(nn.Module):
+    """A mixture of experts' frozen stacked weight (E, out, in) in 4 bits: each expert quantised alone exactly as
+    `quantize_nf4` quantises a linear weight (so expert e dequantises as bitsandbytes' quantize_4bit of that expert
+    does), the arrays stacked on the expert dim. They are frozen parameters of integer dtypes (the fp32 scales and
+    tables as their int32 bits): FSDP2 shards them on the expert dim as it does full-precision experts and never
+    casts them, and `.to(dtype)` leaves them as they are."""
+
+    def __init__(self, experts: Iterable[torch.Tensor], num_experts: int):
+        """`experts`: each expert's (out, in) weight in turn (e.g. `w.unbind(0)`, or made one at a time on the GPU so
+        the full-precision stack never exists)."""
+        super().__init__()
+        for e, weight in enumerate(experts):
+            q = quantize_nf4(weight)
+            if e == 0:
+                arrays = {"packed": q.packed, "absmax_codes": q.absmax_codes, "nested_absmax": _bits(q.nested_absmax),
+                          "offset": _bits(q.offset.reshape(1))}
+                for name, t in arrays.items():
+                    setattr(self, name, nn.Parameter(t.new_empty(num_experts, *t.shape), requires_grad=False))
+                self.register_buffer("code", _bits(q.code), persistent=False)
+                self.register_buffer("nested_code", _bits(q.nested_code), persistent=False)
+                self.shape, self.dtype = (num_experts, *weight.shape), weight.dtype
+            elif weight.shape != self.shape[1:]:
+                raise ValueError(f"NF4Experts: expert {e} is {tuple(weight.shape)}, expert 0 {tuple(self.shape[1:])}")
+            self.packed[e], self.absmax_codes[e] = q.packed, q.absmax_codes
+            self.nested_absmax[e], self.offset[e] = _bits(q.nested_absmax), _bits(q.offset.reshape(1))
+        if e + 1 != num_experts:
+            raise ValueError(f"NF4Experts: {e + 1} expert weights given for {num_experts} experts")
+
+    def _apply(self, fn, recurse=True):
+        """.to(dtype)/.half()… give `dequantize()` that dtype, as they would the weight it was made from."""
+        super()._apply(fn, recurse)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.packed.device)).dtype
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def stack(self) -> NF4Stack:
+        """The arrays as the kernels read them (kernels.reference.NF4Stack), fp32 views of the int32 bits."""
+        fp32 = lambda t: t.view(torch.float32)    # noqa: E731
+        return NF4Stack(self.packed, self.absmax_codes, fp32(self.nested_absmax), fp32(self.offset).view(-1),
+                        fp32(self.code), fp32(self.nested_code), self.shape)
+
+    def expert(self, e: int) -> NF4Weight:
+        """Expert e alone, as `quantize_nf4` gave it."""
+        s = self.stack()
+        return NF4Weight(packed=s.packed[e], absmax_codes=s.absmax_codes[e], nested_absmax=s.nested_absmax[e],
+                         offset=s.offset[e], code=s.code, nested_code=s.nested_code, shape=torch.Size(self.shape[1:]),
+                         dtype=self.dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The (E, out, in) weight in `dtype` (default: that of the weights it was made from)."""
+        return dequantize_nf4_stack(self.stack(), dtype or self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.shape)}, nf4"

@@ -17,10 +17,15 @@ dA, dB), scale 2:
   torch_grouped_mm_lora three torch._grouped_mm calls
   triton_lora_unfused   three Triton grouped_mm passes: y = gmm(x, W) + s · gmm(gmm(x, A), B)
   triton_lora_fused     kernels.triton_grouped_mm.grouped_lora_mm: x Aᵀ, then the base GEMM with s·(xAᵀ)Bᵀ in its tiles
+QLoRA providers: the same W held in 4 bits (model.quant.NF4Experts, each expert in bitsandbytes' NF4), W frozen:
+  nf4_lora_fused        kernels.triton_grouped_mm.grouped_nf4_mm: each weight tile dequantised in the GEMM's registers
+  nf4_dequant_then_fused  the stack dequantised whole (the Triton dequantisation kernel, expert by expert) into a
+                        temporary, then triton_lora_fused (the temporary is kept for the backward here: its memory
+                        is a floor)
 
 Each row: triton.testing.do_bench quantiles (p20, p50, p80, ms) of forward, backward (retained graph) and full
 (forward + backward), and the peak memory of one full step above what was allocated before it. Then a forward
-sweep of a few block configs of the Triton base GEMM (`sweep` rows). One JSON line per row on stdout (GPU, date,
+sweep of a few block configs of the Triton base GEMM (`sweep` rows) and of its 4-bit form (`nf4_sweep`). One JSON line per row on stdout (GPU, date,
 commit, torch/triton versions in each), all of them in --out.
 
 --smoke: one tiny shape (64 rows over 4 experts, 64 → 64, r 8) in fp32 on the CPU, Triton in its interpreter
@@ -41,8 +46,9 @@ import triton.testing
 
 from bench import common
 from bench.common import commit, provenance
-from glm_lora.kernels import reference
+from glm_lora.kernels import ops, reference
 from glm_lora.kernels import triton_grouped_mm as tgm
+from glm_lora.model.quant import NF4Experts
 
 HIDDEN, INTER, RANK, SCALE, TOKENS = 2048, 1408, 16, 2.0, 16384
 SHAPES = {"64e_top8_up": (8, 64, HIDDEN, INTER), "64e_top8_down": (8, 64, INTER, HIDDEN),
@@ -73,6 +79,25 @@ LORA = {"loop_lora": lambda x, w, a, b, o: reference.grouped_lora_mm(x, w, a, b,
         "triton_lora_unfused": lambda x, w, a, b, o: tgm.grouped_mm(x, w, o) + SCALE * tgm.grouped_mm(
             tgm.grouped_mm(x, a, o), b, o),
         "triton_lora_fused": lambda x, w, a, b, o: tgm.grouped_lora_mm(x, w, a, b, SCALE, o)}
+
+
+NF4_SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+             dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
+             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+             dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)]
+
+
+def _dequantized(stack) -> torch.Tensor:
+    flat = [ops.dequantize_nf4(stack.packed[e], stack.absmax_codes[e], stack.nested_absmax[e], stack.offset[e],
+                               stack.code, stack.nested_code, torch.bfloat16) for e in range(stack.shape[0])]
+    return torch.stack(flat).view(stack.shape)
+
+
+NF4 = {"nf4_lora_fused": lambda x, q, a, b, o: tgm.grouped_nf4_mm(x, q, o, a, b, SCALE),
+       "nf4_dequant_then_fused": lambda x, q, a, b, o: tgm.grouped_lora_mm(x, _dequantized(q).to(x.dtype), a, b,
+                                                                           SCALE, o)}
 
 
 def _q(fn, leaves) -> list[float]:
@@ -129,6 +154,10 @@ def bench(device: torch.device) -> list[dict]:
         for name, fn in LORA.items():
             rows.append(_provider_row({**info, "provider": name, "w_trains": False},
                                       lambda: measure(fn, (x, wf, a, b, offsets), [x, a, b], dy)))
+        stack = NF4Experts(wf.unbind(0), G).stack()
+        for name, fn in NF4.items():
+            rows.append(_provider_row({**info, "provider": name, "w_trains": False},
+                                      lambda: measure(fn, (x, stack, a, b, offsets), [x, a, b], dy)))
         if shape in ("64e_top8_up", "smoke"):
             for cfg in SWEEP:
                 row = {**info, "provider": "sweep", "config": cfg}
@@ -140,7 +169,18 @@ def bench(device: torch.device) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        del x, w, a, b, dy, wf
+            for cfg in NF4_SWEEP:
+                row = {**info, "provider": "nf4_sweep", "config": cfg}
+                rhs = tgm.NF4Rhs(stack, True)
+                try:
+                    tgm.grouped_gemm(x, rhs, offsets, config=cfg)
+                    if cuda:
+                        row["fwd_ms"] = _q(lambda: tgm.grouped_gemm(x, rhs, offsets, config=cfg), None)
+                except Exception as e:                                       # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del x, w, a, b, dy, wf, stack
         if cuda:
             torch.cuda.empty_cache()
     return rows
@@ -168,15 +208,16 @@ def table(rows: list[dict]) -> str:
         for name, r in got.items():
             p50 = lambda key, rr=r: rr[key][1]                                # noqa: E731
             ratio = []
-            for ref in ("loop", "torch_grouped_mm", "loop_lora", "torch_grouped_mm_lora", "triton_lora_unfused"):
-                if ref in got and ref != name and (ref in LORA) == (name in LORA):
+            for ref in ("loop", "torch_grouped_mm", "loop_lora", "torch_grouped_mm_lora", "triton_lora_unfused",
+                        "triton_lora_fused"):
+                if ref in got and ref != name and (ref in BASE) == (name in BASE):
                     ratio.append(f"/{ref} {p50('full_ms') / got[ref]['full_ms'][1]:.2f}")
             out.append(f"{shape:14} {name:22} {p50('fwd_ms'):8.3f} {p50('bwd_ms'):8.3f} {p50('full_ms'):8.3f} "
                        f"{r['peak_mem_mb']:8.0f}  {' '.join(ratio)}")
         for r in rows:
-            if r["shape"] == shape and r["provider"] == "sweep" and "fwd_ms" in r:
+            if r["shape"] == shape and r["provider"] in ("sweep", "nf4_sweep") and "fwd_ms" in r:
                 c = r["config"]
-                out.append(f"{shape:14} sweep {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
+                out.append(f"{shape:14} {r['provider']} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
                            f"s{c['num_stages']}  fwd {r['fwd_ms'][1]:.3f}")
     return "\n".join(out)
 

@@ -11,6 +11,8 @@ Providers:
   ours          our Decoder (kernels "auto": the grouped expert GEMM, fused LoRA, FlexAttention block mask), frozen
                 GEMM weights bf16 (engine/adapter_stage.py's policy for MoE bases), adapter fp32, bf16 autocast
   ours_loop     the same with the experts' GEMMs as the per-expert loop (kernels.reference.grouped_mm)
+  ours_nf4      ours with lora.quantization nf4: every routed expert and LoRA-wrapped linear held in 4 bits (QLoRA),
+                the experts dequantised tile by tile inside the grouped GEMM
   hf_peft       Glm4MoeForCausalLM in bf16 with experts_implementation "grouped_mm" (torch._grouped_mm) and
                 flex_attention, PEFT LoRA (adapter fp32, PEFT's default autocast_adapter_dtype), the packed rows
                 padding-free (position_ids; transformers finds the documents), bf16 autocast
@@ -47,7 +49,7 @@ SHAPES = {
                   first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5),
 }
 R, ALPHA = 16, 32
-PROVIDERS = ("ours", "ours_loop", "hf_peft", "hf_peft_eager")
+PROVIDERS = ("ours", "ours_loop", "ours_nf4", "hf_peft", "hf_peft_eager")
 
 
 def our_config(shape: str, vocab: int, seq_len: int) -> DecoderConfig:
@@ -72,11 +74,11 @@ def hf_config(cfg: DecoderConfig, experts_impl: str, attn: str):
     return c
 
 
-def ours(cfg: DecoderConfig, device, loop: bool):
+def ours(cfg: DecoderConfig, device, loop: bool, nf4: bool = False):
     torch.manual_seed(0)
     with torch.device(device):
         model = Decoder(cfg).train()
-    inject_lora(model, LoRAConfig(r=R, alpha=ALPHA, target_modules="all-linear"))
+    inject_lora(model, LoRAConfig(r=R, alpha=ALPHA, target_modules="all-linear", quantization="nf4" if nf4 else "none"))
     if device.type == "cuda":
         cast_frozen_gemm_weights(model, torch.bfloat16)
     backend = "reference" if loop else "auto"
@@ -110,7 +112,7 @@ def hf_peft(cfg: DecoderConfig, device, experts_impl: str):
 
 def run(name: str, cfg: DecoderConfig, batches: list[dict], args, device) -> dict:
     if name.startswith("ours"):
-        model, loss, backend = ours(cfg, device, loop=name == "ours_loop")
+        model, loss, backend = ours(cfg, device, loop=name == "ours_loop", nf4=name == "ours_nf4")
     else:
         model, loss, backend = hf_peft(cfg, device, "eager" if name == "hf_peft_eager" else "grouped_mm")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

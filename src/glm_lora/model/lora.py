@@ -337,7 +337,7 @@ def dequantized_experts(experts: Experts) -> Experts:
 def check_nf4_experts(model: nn.Module, key: str = "lora.quantization") -> None:
     """Each routed expert's weights in whole NF4 blocks (see check_nf4_blocks); `model` may live on the meta device."""
     bad = sorted({f"{tuple(w.shape[1:])}" for m in model.modules() if type(m) is Experts
-                  for w in (m.gate_up_proj, m.down_proj) if w.shape[1:].numel() % NF4_BLOCK})
+                  for w in (m.gate_up_proj, m.down_proj) if math.prod(w.shape[1:]) % NF4_BLOCK})
     if bad:
         raise LoRAConfigError(f"{key} nf4 needs each routed expert's weight to hold a multiple of {NF4_BLOCK} "
                               f"weights; not {', '.join(bad)} (hidden_size × moe_intermediate_size). Set {key}: none")

@@ -393,12 +393,12 @@ dist.end_rank(0)
 '''
 
 
-def _on_two_ranks(tmp_path, script_text: str) -> None:
+def _on_two_ranks(tmp_path, script_text: str, *args: str) -> None:
     """Run a check script under torchrun on two CPU ranks (gloo); it writes rank<N>.json into tmp_path."""
     script = tmp_path / "check.py"
     script.write_text(script_text)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={_free_port()}", str(script), str(tmp_path)], cwd=REPO, capture_output=True,
+                        f"--master_port={_free_port()}", str(script), str(tmp_path), *args], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
 
@@ -426,7 +426,8 @@ model = Decoder(DecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_h
                               intermediate_size=48, arch="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                               topk_group=1, qk_norm=True, attention_bias=True))
-inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
+quantization = sys.argv[2]                      # "nf4": the experts in 4 bits, their codes and scales sharded
+inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8, quantization=quantization))
 for n, p in model.named_parameters():
     if n.endswith("lora_B.weight"):
         torch.nn.init.normal_(p, std=0.05)
@@ -434,8 +435,11 @@ plain = copy.deepcopy(model)
 rt = Runtime(torch.device("cpu"), torch.float32, d)
 dist.parallelize(model, causal_lm_loss, "fsdp2", rt)
 experts = model.model.layers[1].mlp.experts
-stacked = experts.base_layer.gate_up_proj
-assert isinstance(stacked, DTensor) and stacked.to_local().shape[0] == 8 // d.world_size      # experts split over ranks
+shards = (list(experts.base_layer.gate_up_proj.parameters()) if quantization == "nf4"
+          else [experts.base_layer.gate_up_proj])
+assert len(shards) == (4 if quantization == "nf4" else 1)
+for stacked in shards:                          # experts split over ranks
+    assert isinstance(stacked, DTensor) and stacked.to_local().shape[0] == 8 // d.world_size, stacked.shape
 ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(1))
 batch = {"input_ids": ids, "labels": ids.clone(), "doc_ids": torch.tensor([[1] * 6 + [2] * 6, [3] * 5 + [4] * 7]),
          "packed": True}
@@ -446,17 +450,18 @@ plain_loss.backward()
 torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=1e-5)
 grad = experts.down_proj.lora_A.weight.grad.full_tensor()
 torch.testing.assert_close(grad, plain.model.layers[1].mlp.experts.down_proj.lora_A.weight.grad, atol=1e-5, rtol=1e-4)
-assert experts.base_layer.down_proj.grad is None
+assert all(p.grad is None for p in experts.base_layer.parameters())
 open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(loss)}))
 dist.end_rank(0)
 '''
 
 
-def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path):
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path, quantization):
     """A GLM-4.5-style MoE with LoRA on every projection under FSDP2 on two ranks: each rank holds half the
-    experts (the stacked expert weights shard on the expert dim), and the loss and the experts' LoRA gradients
-    equal one process's."""
-    _on_two_ranks(tmp_path, MOE_FSDP2_CHECK)
+    experts (the stacked expert weights — or with nf4 their 4-bit codes and scales — shard on the expert dim), and the
+    loss and the experts' LoRA gradients equal one process's."""
+    _on_two_ranks(tmp_path, MOE_FSDP2_CHECK, quantization)
     losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["loss"] for r in (0, 1)]
     assert losses[0] == losses[1]
 

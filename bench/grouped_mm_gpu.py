@@ -17,7 +17,7 @@ dA, dB), scale 2:
   torch_grouped_mm_lora three torch._grouped_mm calls
   triton_lora_unfused   three Triton grouped_mm passes: y = gmm(x, W) + s · gmm(gmm(x, A), B)
   triton_lora_fused     kernels.triton_grouped_mm.grouped_lora_mm: x Aᵀ, then the base GEMM with s·(xAᵀ)Bᵀ in its tiles
-QLoRA providers: the same W held in 4 bits (model.quant.NF4Experts, each expert in bitsandbytes' NF4), W frozen:
+QLoRA providers: the same W held in 4 bits (model.quant.NF4Params, each expert in bitsandbytes' NF4), W frozen:
   nf4_lora_fused        kernels.triton_grouped_mm.grouped_nf4_mm: each weight tile dequantised in the GEMM's registers
   nf4_dequant_then_fused  the stack dequantised whole (the Triton dequantisation kernel, expert by expert) into a
                         temporary, then triton_lora_fused (the temporary is kept for the backward here: its memory
@@ -48,7 +48,7 @@ from bench import common
 from bench.common import commit, provenance
 from glm_lora.kernels import ops, reference
 from glm_lora.kernels import triton_grouped_mm as tgm
-from glm_lora.model.quant import NF4Experts
+from glm_lora.model.quant import NF4Params
 
 HIDDEN, INTER, RANK, SCALE, TOKENS = 2048, 1408, 16, 2.0, 16384
 SHAPES = {"64e_top8_up": (8, 64, HIDDEN, INTER), "64e_top8_down": (8, 64, INTER, HIDDEN),
@@ -154,7 +154,7 @@ def bench(device: torch.device) -> list[dict]:
         for name, fn in LORA.items():
             rows.append(_provider_row({**info, "provider": name, "w_trains": False},
                                       lambda: measure(fn, (x, wf, a, b, offsets), [x, a, b], dy)))
-        stack = NF4Experts(wf.unbind(0), G).stack()
+        stack = NF4Params.stacked(wf.unbind(0), G).stack()
         for name, fn in NF4.items():
             rows.append(_provider_row({**info, "provider": name, "w_trains": False},
                                       lambda: measure(fn, (x, stack, a, b, offsets), [x, a, b], dy)))

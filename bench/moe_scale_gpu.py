@@ -38,7 +38,7 @@ from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model.lora import cast_frozen_gemm_weights
 from glm_lora.model.model import Experts, Router, shapes_only
-from glm_lora.model.quant import NF4Experts
+from glm_lora.model.quant import NF4Params
 
 SHAPES = {
     "glm45_air": dict(arch="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, intermediate_size=10944,
@@ -73,12 +73,12 @@ def build(cfg: DecoderConfig, device: torch.device, experts: str, dtype: torch.d
                 E, *shape = getattr(m, name).shape
                 delattr(m, name)
                 if experts == "nf4":
-                    w = NF4Experts((_random_experts(shape, device, dtype) for _ in range(E)), E)
+                    w = NF4Params.stacked((_random_experts(shape, device, dtype) for _ in range(E)), E)
                 else:
                     w = nn.Parameter(_random_experts((E, *shape), device, dtype), requires_grad=False)
                 setattr(m, name, w)
     for module_name, m in model.named_modules():
-        if type(m) is Experts or isinstance(m, NF4Experts):
+        if type(m) is Experts or isinstance(m, NF4Params):
             continue
         for name, p in list(m._parameters.items()):
             if p is None or not p.is_meta:

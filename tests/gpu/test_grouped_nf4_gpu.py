@@ -7,7 +7,7 @@ import torch
 
 from glm_lora.kernels import reference
 from glm_lora.kernels import triton_grouped_mm as tgm
-from glm_lora.model.quant import NF4Experts
+from glm_lora.model.quant import NF4Params
 from tests.gpu.test_grouped_mm_gpu import SHAPES, _inputs
 from tests.kernel_check import Tol, check
 
@@ -24,7 +24,7 @@ def test_lora_over_4bit_experts_matches_the_dequantised_loop(shape, dtype, monke
     import tests.gpu.test_grouped_mm_gpu as base
     monkeypatch.setattr(base, "SHAPES", SHAPES)
     x, w, a, b, offsets = _inputs(shape, dtype)
-    stack = NF4Experts(w.detach().unbind(0), w.shape[0]).stack()
+    stack = NF4Params.stacked(w.detach().unbind(0), w.shape[0]).stack()
     dequantised = reference.dequantize_nf4_stack(stack, dtype)
     check(lambda x, a, b: tgm.grouped_nf4_mm(x, stack, offsets, a, b, 2.0),
           lambda x, a, b: reference.grouped_lora_mm(x, dequantised.float(), a, b, 2.0, offsets),
@@ -33,7 +33,7 @@ def test_lora_over_4bit_experts_matches_the_dequantised_loop(shape, dtype, monke
 
 def test_the_stack_dequantises_as_the_triton_kernel_does_per_expert():
     w = torch.randn(5, 1408, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
-    q = NF4Experts(w.unbind(0), 5)
+    q = NF4Params.stacked(w.unbind(0), 5)
     whole = reference.dequantize_nf4_stack(q.stack(), torch.bfloat16)
     for e in range(5):
         assert torch.equal(whole[e], q.expert(e).dequantize())        # ops.dequantize_nf4: the Triton kernel on CUDA

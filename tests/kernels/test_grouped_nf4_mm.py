@@ -1,4 +1,4 @@
-"""Routed experts in 4 bits (QLoRA on a mixture of experts): model.quant.NF4Experts stacks each expert's own NF4
+"""Routed experts in 4 bits (QLoRA on a mixture of experts): model.quant.NF4Params stacks each expert's own NF4
 quantisation (bitsandbytes' format per expert, byte for byte), and the grouped GEMM that dequantises each weight tile
 in registers (kernels.triton_grouped_mm.grouped_nf4_mm, Triton interpreter on CPU) equals the reference —
 dequantise the stack, then the per-expert loop — forward and every gradient (x, A, B), on odd shapes, empty
@@ -9,7 +9,7 @@ import torch
 from glm_lora.kernels import ops as kernels
 from glm_lora.kernels import reference
 from glm_lora.kernels import triton_grouped_mm as tgm
-from glm_lora.model.quant import NF4Experts, quantize_nf4
+from glm_lora.model.quant import NF4Params, quantize_nf4
 from tests.kernel_check import Tol, check
 from tests.kernels.test_triton_grouped_mm import _inputs as grouped_inputs
 
@@ -26,7 +26,7 @@ SHAPES = {"skewed": (48, 80, 6, (10, 0, 10, 16, 1)),
 def _experts(n, k, experts, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(experts, n, k, generator=g, dtype=torch.float64) * k ** -0.5).to(dtype)
-    return w, NF4Experts(w.unbind(0), experts)
+    return w, NF4Params.stacked(w.unbind(0), experts)
 
 
 def _inputs(k, n, r, counts, dtype, seed=1):
@@ -108,7 +108,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="int32"):
         tgm.grouped_nf4_mm(x, q.stack(), offsets.long())
     with pytest.raises(ValueError, match="expert 1"):
-        NF4Experts([torch.randn(80, 48), torch.randn(48, 80)], 2)
+        NF4Params.stacked([torch.randn(80, 48), torch.randn(48, 80)], 2)
 
 
 def test_dispatch():

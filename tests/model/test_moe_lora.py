@@ -10,7 +10,7 @@ from glm_lora.configs.schema import LoRAConfig
 from glm_lora.model import Decoder, DecoderConfig, inject_lora, lora_disabled, merge_lora
 from glm_lora.model.lora import LoRAConfigError, LoRAExperts, lora_modules, lora_state_dict
 from glm_lora.model.model import Experts
-from glm_lora.model.quant import NF4Experts
+from glm_lora.model.quant import NF4Params
 
 torch.set_num_threads(1)
 VOCAB = 61
@@ -153,9 +153,9 @@ def test_nf4_puts_every_routed_expert_in_4_bits_and_trains_their_lora_like_the_d
     inject_lora(m, LoRAConfig(target_modules=["q_proj", "experts.gate_proj", "experts.up_proj"], r=4, alpha=8,
                               quantization="nf4"))
     targeted, untargeted = m.model.layers[1].mlp.experts, m.model.layers[2].mlp.experts
-    assert isinstance(targeted, LoRAExperts) and isinstance(targeted.base_layer.gate_up_proj, NF4Experts)
-    assert isinstance(targeted.base_layer.down_proj, NF4Experts)
-    assert isinstance(untargeted, LoRAExperts) and isinstance(untargeted.base_layer.down_proj, NF4Experts)
+    assert isinstance(targeted, LoRAExperts) and isinstance(targeted.base_layer.gate_up_proj, NF4Params)
+    assert isinstance(targeted.base_layer.down_proj, NF4Params)
+    assert isinstance(untargeted, LoRAExperts) and isinstance(untargeted.base_layer.down_proj, NF4Params)
     assert not any(p.is_floating_point() and not p.requires_grad and p.dim() == 3 for p in m.parameters())
     assert set(lora_state_dict(m)) == {k for k, p in m.named_parameters() if p.requires_grad}
     randomise_b(m)

@@ -134,7 +134,10 @@ def test_inject_keeps_the_base_in_4_bits_and_saves_only_the_adapter():
         n for n, p in plain.named_parameters() if p.requires_grad}
     assert lora_state_dict(m).keys() == lora_state_dict(plain).keys() == {
         f"{w}.lora_{ab}.weight" for w in wrapped for ab in "AB"}
-    assert set(m.state_dict()) == set(plain.state_dict()) - {f"{w}.weight" for w in wrapped}
+    arrays = {"packed", "absmax_codes", "nested_absmax", "offset", "code", "nested_code"}    # frozen, integer dtypes
+    assert set(m.state_dict()) == set(plain.state_dict()) - {f"{w}.weight" for w in wrapped} | {
+        f"{w}.nf4_base.{a}" for w in wrapped for a in arrays}
+    assert not any(p.is_floating_point() or p.requires_grad for n, p in m.named_parameters() if ".nf4_base." in n)
     for layer in lora_modules(m).values():             # 0.5 byte a weight + scales + the two code maps
         n = layer.in_features * layer.out_features
         assert layer.nf4.nbytes <= n / 2 + n / 64 + 4 * math.ceil(n / 64 / 256) + 4 + 4 * (16 + 256)

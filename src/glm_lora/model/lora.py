@@ -14,19 +14,16 @@ MLPs, the shared expert and every routed expert, `shared_experts.gate_proj` the 
 (`<layer>.mlp.experts.gate_proj.lora_A.weight` (E, r, in)); the frozen experts move to `.base_layer` (PEFT's
 name for a wrapped layer). The router (`mlp.gate`) stays frozen unless `modules_to_save` names `gate`.
 
-QLoRA (`quantization="nf4"`): each wrapped linear layer keeps its frozen base weight in 4 bits (model/quant.py)
-instead of as a parameter; it is rebuilt for each use (forward, backward, the adapter switched off, merge).
-It is neither a parameter nor a buffer, so it is in no state dict, checkpoint or DDP broadcast: the
-adapter is all that is saved, and the 4-bit base is made again from the base weights wherever it is needed.
-Every routed-experts stack goes to 4 bits too (NF4Experts, dequantised tile by tile inside the grouped GEMM); its
-arrays are frozen integer parameters, so FSDP2 shards them on the expert dim, and checkpoints (trainable tensors
-only) still hold the adapter alone.
+QLoRA (`quantization="nf4"`): each wrapped linear layer keeps its frozen base weight in 4 bits (model/quant.py
+NF4Params, `<path>.nf4_base`); it is rebuilt for each use (forward, backward, the adapter switched off, merge). Every
+routed-experts stack goes to 4 bits too (dequantised tile by tile inside the grouped GEMM). The 4-bit arrays are
+frozen integer parameters: FSDP2 shards and gathers them like any frozen weight; checkpoints (trainable tensors
+only) hold the adapter alone, and the 4-bit base is made again from the base weights wherever it is needed.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -37,7 +34,7 @@ from glm_lora.configs.schema import ALL_LINEAR, INDEXER_PROJECTIONS, LoRAConfig 
 from glm_lora.kernels.moe import ExpertLoRA
 from glm_lora.kernels.reference import NF4_BLOCK
 from glm_lora.model.model import MLP, Attention, Experts, Indexer, LatentAttention
-from glm_lora.model.quant import NF4Experts, NF4Weight, quantize_nf4
+from glm_lora.model.quant import NF4Params, NF4Weight
 
 
 class LoRAConfigError(UserError, ValueError):
@@ -47,13 +44,13 @@ class LoRAConfigError(UserError, ValueError):
 class LoRALinear(nn.Module):
     """A frozen base linear plus a trainable low-rank update: y = x Wᵀ + b + (α/r)·x Aᵀ Bᵀ (b, if any: frozen).
 
-    With quantization "nf4" W is held as `self.nf4` (4 bits a weight) and `self.weight` is None."""
+    With quantization "nf4" W is held in 4 bits (`self.nf4_base`, read through `self.nf4`) and `self.weight` is None."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, quantization: str = "none"):
         super().__init__()
         device, dtype = base.weight.device, base.weight.dtype
-        self.nf4: NF4Weight | None = quantize_nf4(base.weight) if quantization == "nf4" else None
-        self.weight = None if self.nf4 is not None else base.weight.requires_grad_(False)
+        self.nf4_base = NF4Params.of(base.weight.detach()) if quantization == "nf4" else None
+        self.weight = None if self.nf4_base is not None else base.weight.requires_grad_(False)
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -66,14 +63,10 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)                             # starts as the identity update
         self.enabled = True
 
-    def _apply(self, fn, recurse=True):
-        """.to()/.cuda()/.half()… reach the 4-bit base too (it is no parameter or buffer): it moves to the device
-        and takes the dtype `fn` would give the weight it was made from; its own tensors keep their dtypes."""
-        super()._apply(fn, recurse)
-        if self.nf4 is not None:
-            probe = fn(torch.empty(0, dtype=self.nf4.dtype, device=self.nf4.device))
-            self.nf4 = replace(self.nf4.to(probe.device), dtype=probe.dtype)
-        return self
+    @property
+    def nf4(self) -> NF4Weight | None:
+        """The 4-bit base weight (views of `nf4_base`'s parameters), or None."""
+        return None if self.nf4_base is None else self.nf4_base.weight()
 
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W (out, in): the parameter, or the 4-bit base dequantised (into `dtype`, default its own)."""
@@ -155,7 +148,7 @@ class LoRAExperts(nn.Module):
     def __init__(self, base: Experts, projections: list[str], r: int, alpha: float):
         super().__init__()
         self.base_layer = base.requires_grad_(False)
-        gate_up = base.gate_up_proj                              # a parameter, or its 4-bit module (NF4Experts)
+        gate_up = base.gate_up_proj                              # a parameter, or its 4-bit module (NF4Params)
         E, two_i, C = gate_up.shape
         sizes = {"gate_proj": (C, two_i // 2), "up_proj": (C, two_i // 2), "down_proj": (two_i // 2, C)}
         for p in projections:
@@ -320,7 +313,7 @@ def quantize_experts(experts: Experts) -> None:
         w = getattr(experts, name)
         if isinstance(w, nn.Parameter):
             delattr(experts, name)
-            setattr(experts, name, NF4Experts(w.detach().unbind(0), w.shape[0]))
+            setattr(experts, name, NF4Params.stacked(w.detach().unbind(0), w.shape[0]))
 
 
 def dequantized_experts(experts: Experts) -> Experts:
@@ -328,7 +321,7 @@ def dequantized_experts(experts: Experts) -> Experts:
     dequantised values: what a 4-bit base's adapter is merged into)."""
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(experts, name)
-        if isinstance(w, NF4Experts):
+        if isinstance(w, NF4Params):
             delattr(experts, name)
             setattr(experts, name, nn.Parameter(w.dequantize(), requires_grad=False))
     return experts

@@ -541,7 +541,7 @@ class Experts(nn.Module):
     """The routed experts as stacked weights (transformers 5's in-memory layout): gate_up_proj (E, 2I, C)
     with [gate | up] rows, down_proj (E, C, I). Each token's chosen experts run as grouped GEMMs
     (kernels.moe_experts); LoRA on them is model/lora.py's LoRAExperts. Under QLoRA each stack is a frozen 4-bit
-    module instead of a parameter (model/quant.py NF4Experts); `operands()` gives what the kernels read either way."""
+    module instead of a parameter (model/quant.py NF4Params); `operands()` gives what the kernels read either way."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()

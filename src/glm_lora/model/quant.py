@@ -99,6 +99,12 @@ def quantize_nf4(weight: torch.Tensor) -> NF4Weight:
     if n % NF4_BLOCK:
         raise ValueError(f"NF4 needs a multiple of {NF4_BLOCK} weights, got {tuple(weight.shape)} ({n})")
     device = weight.device
+    if weight.is_meta:      # shapes only (a model built to load a gathered state dict into, engine/dist.py)
+        blocks = n // NF4_BLOCK
+        empty = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device=device)   # noqa: E731
+        return NF4Weight(packed=empty(n // 2, dtype=torch.uint8), absmax_codes=empty(blocks, dtype=torch.uint8),
+                         nested_absmax=empty(-(-blocks // NESTED_BLOCK)), offset=empty(()), code=empty(16),
+                         nested_code=empty(256), shape=weight.shape, dtype=weight.dtype)
     code, nested_code = torch.tensor(NF4_VALUES, device=device), dynamic_map().to(device)
     indices, absmax = _quantize_blocks(weight.detach().reshape(-1, NF4_BLOCK).float(), code)
     indices = indices.view(-1)
@@ -117,33 +123,51 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-class NF4Experts(nn.Module):
-    """A mixture of experts' frozen stacked weight (E, out, in) in 4 bits: each expert quantised alone exactly as
-    `quantize_nf4` quantises a linear weight (so expert e dequantises as bitsandbytes' quantize_4bit of that expert
-    does), the arrays stacked on the expert dim. They are frozen parameters of integer dtypes (the fp32 scales and
-    tables as their int32 bits): FSDP2 shards them on the expert dim as it does full-precision experts and never
-    casts them, and `.to(dtype)` leaves them as they are."""
+_ARRAYS = ("packed", "absmax_codes", "nested_absmax", "offset")      # one row per weight of a stack
+_TABLES = ("code", "nested_code")                                      # shared by all of them
 
-    def __init__(self, experts: Iterable[torch.Tensor], num_experts: int):
+
+class NF4Params(nn.Module):
+    """Frozen weights in 4 bits (`quantize_nf4`'s arrays, bitsandbytes' format) as frozen parameters of integer dtypes,
+    the fp32 scales and code tables as their int32 bits. So FSDP2 shards them like any frozen weight (on the expert
+    dim for a stack) and gathers them bit for bit, never casting them; `.to(dtype)` leaves them as they are; a state
+    dict holds them (FSDP2 gathers a trained model through one). Checkpoints keep trainable tensors only: the adapter.
+
+    Either one weight (`NF4Params.of(w)`: flat arrays, `weight()` gives its NF4Weight) or a stack of routed experts,
+    each quantised alone (`NF4Params.stacked(experts, E)`: arrays with a leading expert dim, `stack()` gives what the
+    grouped GEMM reads; expert e dequantises as bitsandbytes' quantize_4bit of that expert does)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rows: int | None, first: NF4Weight):
+        super().__init__()
+        self.shape, self.dtype, self.rows = tuple(shape), dtype, rows
+        for name in _ARRAYS + _TABLES:
+            t = _bits(first.offset.reshape(1)) if name == "offset" else getattr(first, name)
+            t = _bits(t) if t.is_floating_point() else t
+            if rows is not None and name in _ARRAYS:
+                t = t.new_empty(rows, *t.shape)
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "NF4Params":
+        return cls(weight.shape, weight.dtype, None, quantize_nf4(weight))
+
+    @classmethod
+    def stacked(cls, experts: Iterable[torch.Tensor], num_experts: int) -> "NF4Params":
         """`experts`: each expert's (out, in) weight in turn (e.g. `w.unbind(0)`, or made one at a time on the GPU so
         the full-precision stack never exists)."""
-        super().__init__()
+        out = None
         for e, weight in enumerate(experts):
             q = quantize_nf4(weight)
-            if e == 0:
-                arrays = {"packed": q.packed, "absmax_codes": q.absmax_codes, "nested_absmax": _bits(q.nested_absmax),
-                          "offset": _bits(q.offset.reshape(1))}
-                for name, t in arrays.items():
-                    setattr(self, name, nn.Parameter(t.new_empty(num_experts, *t.shape), requires_grad=False))
-                self.register_buffer("code", _bits(q.code), persistent=False)
-                self.register_buffer("nested_code", _bits(q.nested_code), persistent=False)
-                self.shape, self.dtype = (num_experts, *weight.shape), weight.dtype
-            elif weight.shape != self.shape[1:]:
-                raise ValueError(f"NF4Experts: expert {e} is {tuple(weight.shape)}, expert 0 {tuple(self.shape[1:])}")
-            self.packed[e], self.absmax_codes[e] = q.packed, q.absmax_codes
-            self.nested_absmax[e], self.offset[e] = _bits(q.nested_absmax), _bits(q.offset.reshape(1))
-        if e + 1 != num_experts:
-            raise ValueError(f"NF4Experts: {e + 1} expert weights given for {num_experts} experts")
+            if out is None:
+                out = cls((num_experts, *weight.shape), weight.dtype, num_experts, q)
+            elif weight.shape != out.shape[1:]:
+                raise ValueError(f"NF4Params: expert {e} is {tuple(weight.shape)}, expert 0 {tuple(out.shape[1:])}")
+            for name in _ARRAYS:
+                t = getattr(q, name)
+                getattr(out, name)[e] = _bits(t.reshape(1)) if name == "offset" else _bits(t) if t.is_floating_point() else t
+        if out is None or e + 1 != num_experts:
+            raise ValueError(f"NF4Params: {0 if out is None else e + 1} expert weights given for {num_experts} experts")
+        return out
 
     def _apply(self, fn, recurse=True):
         """.to(dtype)/.half()… give `dequantize()` that dtype, as they would the weight it was made from."""
@@ -155,22 +179,32 @@ class NF4Experts(nn.Module):
     def device(self) -> torch.device:
         return self.packed.device
 
+    def _float(self, name: str) -> torch.Tensor:
+        return getattr(self, name).view(torch.float32)
+
+    def weight(self) -> NF4Weight:
+        """One weight's NF4Weight (views of the parameters)."""
+        return NF4Weight(packed=self.packed, absmax_codes=self.absmax_codes, nested_absmax=self._float("nested_absmax"),
+                         offset=self._float("offset").view(()), code=self._float("code"),
+                         nested_code=self._float("nested_code"), shape=torch.Size(self.shape), dtype=self.dtype)
+
     def stack(self) -> NF4Stack:
-        """The arrays as the kernels read them (kernels.reference.NF4Stack), fp32 views of the int32 bits."""
-        fp32 = lambda t: t.view(torch.float32)    # noqa: E731
-        return NF4Stack(self.packed, self.absmax_codes, fp32(self.nested_absmax), fp32(self.offset).view(-1),
-                        fp32(self.code), fp32(self.nested_code), self.shape)
+        """A stack's arrays as the kernels read them (kernels.reference.NF4Stack)."""
+        return NF4Stack(self.packed, self.absmax_codes, self._float("nested_absmax"), self._float("offset").view(-1),
+                        self._float("code"), self._float("nested_code"), self.shape)
 
     def expert(self, e: int) -> NF4Weight:
-        """Expert e alone, as `quantize_nf4` gave it."""
+        """Expert e of a stack alone, as `quantize_nf4` gave it."""
         s = self.stack()
         return NF4Weight(packed=s.packed[e], absmax_codes=s.absmax_codes[e], nested_absmax=s.nested_absmax[e],
                          offset=s.offset[e], code=s.code, nested_code=s.nested_code, shape=torch.Size(self.shape[1:]),
                          dtype=self.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The (E, out, in) weight in `dtype` (default: that of the weights it was made from)."""
+        """The weight (or the (E, out, in) stack) in `dtype` (default: that of the weights it was made from)."""
+        if self.rows is None:
+            return self.weight().dequantize(dtype)
         return dequantize_nf4_stack(self.stack(), dtype or self.dtype)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.shape)}, nf4"
+        return f"shape={self.shape}, nf4"

@@ -216,13 +216,22 @@ def test_a_two_rank_ddp_checkpoint_resumes_in_one_process(prepared, sft_runs):
 
 
 
-def test_qlora_sft_with_ddp_on_two_ranks_matches_one_process(prepared):
-    """The 4-bit base is no parameter or buffer: each rank quantises the same base weights itself (nothing
-    broadcast), and DDP averages the adapter's gradients as for a plain LoRA."""
-    nf4 = {"sft.lora.quantization": "nf4", "sft.max_steps": 4}
-    one, two = engine(prepared, "sft", "q-one", **nf4), engine(prepared, "sft", "q-two", ranks=2, **nf4)
+QLORA = {"sft.lora.quantization": "nf4", "sft.max_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def qlora_one(prepared):
+    return engine(prepared, "sft", "q-one", **QLORA)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_qlora_sft_on_two_ranks_matches_one_process(prepared, qlora_one, strategy):
+    """Each rank quantises the same base weights itself; DDP averages the adapter's gradients as for a plain LoRA, and
+    FSDP2 shards the 4-bit codes and scales (frozen integer parameters) and gathers them bit for bit (the FSDP + QLoRA
+    combination); rank 0 gathers the trained model for its held-out evaluation."""
+    one, two = qlora_one, engine(prepared, "sft", f"q-two-{strategy}", ranks=2, **QLORA, **{"dist.strategy": strategy})
     m1, m2 = ok(one), ok(two)
-    assert (m2["world_size"], m2["strategy"]) == (2, "ddp")
+    assert (m2["world_size"], m2["strategy"]) == (2, strategy)
     assert close(losses(two), losses(one))
     same_weights(two.out / "adapter.safetensors", one.out / "adapter.safetensors")
     assert json.loads((two.out / "adapter.json").read_text())["quantization"] == "nf4"

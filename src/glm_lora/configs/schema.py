@@ -721,16 +721,6 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _quantized_base_is_replicated(self):
-        """The 4-bit base is neither parameter nor buffer: FSDP2 would not shard it and could not gather it."""
-        if self.dist.strategy == "fsdp2":
-            for key, tc in (("sft", self.sft), ("dpo", self.dpo)):
-                if tc.lora.quantization != "none":
-                    raise ValueError(f"{key}.lora.quantization {tc.lora.quantization} keeps the base weights out of the "
-                                     "parameters FSDP2 shards: set dist.strategy to ddp or auto")
-        return self
-
-    @model_validator(mode="after")
     def _servable(self):
         head_dim = self.model.hidden_size // self.model.num_heads
         if self.serve.enabled and self.device == "cpu" and self.base_model is None and head_dim not in VLLM_CPU_HEAD_SIZES:

@@ -9,7 +9,9 @@
 - a rank that raises exits non-zero with its own message on its own stderr (GLM_LORA_TEST_FAIL);
 - kill -9 of one rank, then a restart on 2 ranks, ends bit-identical to an uninterrupted 2-rank run;
 - inside an FSDP2 model the kernels receive plain tensors, never DTensors, and DPO's adapter-off
-  reference reaches the sharded LoRA layers.
+  reference reaches the sharded LoRA layers;
+- FSDP2 on a MoE base shards the routed experts and matches one process; under the CUDA bf16 rule (taken on
+  the CPU) its frozen shards are bf16 and the adapter's fp32, within bf16 rounding of one process.
 
 Every stage input is built once per module with `python -m glm_lora.flows.cli stage`. The machine has 2 cores:
 each torchrun here takes both.
@@ -393,12 +395,13 @@ dist.end_rank(0)
 '''
 
 
-def _on_two_ranks(tmp_path, script_text: str) -> None:
-    """Run a check script under torchrun on two CPU ranks (gloo); it writes rank<N>.json into tmp_path."""
+def _on_two_ranks(tmp_path, script_text: str, *args: str) -> None:
+    """Run a check script under torchrun on two CPU ranks (gloo) with tmp_path and `args` as its arguments; it writes
+    rank<N>.json into tmp_path."""
     script = tmp_path / "check.py"
     script.write_text(script_text)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={_free_port()}", str(script), str(tmp_path)], cwd=REPO, capture_output=True,
+                        f"--master_port={_free_port()}", str(script), str(tmp_path), *args], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
 
@@ -414,6 +417,7 @@ def test_kernels_get_plain_tensors_and_the_adapter_switch_reaches_fsdp2_layers(t
 MOE_FSDP2_CHECK = r'''
 import copy, json, sys, torch
 from glm_lora.engine import dist
+from glm_lora.engine.adapter_stage import _frozen_gemm_weights_in_compute_dtype
 from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.trainer import Runtime
 from glm_lora.configs.schema import LoRAConfig
@@ -421,6 +425,10 @@ from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from torch.distributed.tensor import DTensor
 
 d = dist.init("cpu")
+dtype = getattr(torch, sys.argv[2])
+if dtype == torch.bfloat16:     # the CUDA bf16 rule, on the CPU: frozen weights cast, all-gathers in bf16
+    Runtime.weights_in_compute_dtype = property(lambda rt: rt.dtype != torch.float32)
+rt = Runtime(torch.device("cpu"), dtype, d)
 torch.manual_seed(0)
 model = Decoder(DecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=24,
                               intermediate_size=48, arch="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
@@ -430,33 +438,45 @@ inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8))
 for n, p in model.named_parameters():
     if n.endswith("lora_B.weight"):
         torch.nn.init.normal_(p, std=0.05)
+_frozen_gemm_weights_in_compute_dtype(model, rt)        # as the adapter stage does before fit() shards the model
 plain = copy.deepcopy(model)
-rt = Runtime(torch.device("cpu"), torch.float32, d)
 dist.parallelize(model, causal_lm_loss, "fsdp2", rt)
 experts = model.model.layers[1].mlp.experts
 stacked = experts.base_layer.gate_up_proj
 assert isinstance(stacked, DTensor) and stacked.to_local().shape[0] == 8 // d.world_size      # experts split over ranks
+frozen = {n: p.to_local().dtype for n, p in model.named_parameters() if not p.requires_grad}
+assert frozen["model.layers.1.mlp.experts.base_layer.down_proj"] == frozen["lm_head.weight"] == dtype, frozen
+assert frozen["model.embed_tokens.weight"] == torch.float32                 # not a GEMM weight: kept fp32
+assert {p.to_local().dtype for p in model.parameters() if p.requires_grad} == {torch.float32}   # the adapter's shards
 ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(1))
 batch = {"input_ids": ids, "labels": ids.clone(), "doc_ids": torch.tensor([[1] * 6 + [2] * 6, [3] * 5 + [4] * 7]),
          "packed": True}
-loss, _ = causal_lm_loss(model, batch)
-loss.backward()
-plain_loss, _ = causal_lm_loss(plain, batch)
-plain_loss.backward()
-torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=1e-5)
+for m in (model, plain):
+    with rt.autocast():
+        loss, _ = causal_lm_loss(m, batch)
+    loss.backward()
+    m.loss = loss
 grad = experts.down_proj.lora_A.weight.grad.full_tensor()
-torch.testing.assert_close(grad, plain.model.layers[1].mlp.experts.down_proj.lora_A.weight.grad, atol=1e-5, rtol=1e-4)
+plain_grad = plain.model.layers[1].mlp.experts.down_proj.lora_A.weight.grad
+if dtype == torch.bfloat16:     # bf16 rounding apart: FSDP2 gathers norms, router and embeddings in bf16 too
+    torch.testing.assert_close(model.loss, plain.loss, atol=0, rtol=1e-3)
+    torch.testing.assert_close(grad, plain_grad, atol=2 ** -5 * float(plain_grad.abs().max()), rtol=0)
+else:
+    torch.testing.assert_close(model.loss, plain.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=1e-4)
 assert experts.base_layer.down_proj.grad is None
-open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(loss)}))
+open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(model.loss)}))
 dist.end_rank(0)
 '''
 
 
-def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path, dtype):
     """A GLM-4.5-style MoE with LoRA on every projection under FSDP2 on two ranks: each rank holds half the
     experts (the stacked expert weights shard on the expert dim), and the loss and the experts' LoRA gradients
-    equal one process's."""
-    _on_two_ranks(tmp_path, MOE_FSDP2_CHECK)
+    equal one process's. bfloat16: the CUDA bf16 rule taken on the CPU (frozen GEMM weights sharded in bf16, the
+    adapter's shards fp32, all-gathers in bf16)."""
+    _on_two_ranks(tmp_path, MOE_FSDP2_CHECK, dtype)
     losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["loss"] for r in (0, 1)]
     assert losses[0] == losses[1]
 

@@ -68,7 +68,7 @@ from glm_lora.data.sampler import EpochSampler
 from glm_lora.engine.losses import PreferenceLoss
 from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.optim import build_optimizer
-from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
+from glm_lora.engine.trainer import Runtime
 from glm_lora.engine.cuda_graphs import graphed_training
 from glm_lora.model import inject_lora
 from glm_lora.model.lora import cast_frozen_gemm_weights
@@ -95,8 +95,8 @@ def ours(cfg, device, name: str = "ours"):
     model = our_model(cfg, device)
     inject_lora(model, LoRAConfig(target_modules=TARGETS, r=64, alpha=128))
     amp = autocast(device)
-    if not name.endswith("_fp32base") and isinstance(amp, torch.autocast) and frozen_weights_in_compute_dtype(
-            device, amp.fast_dtype):
+    if not name.endswith("_fp32base") and isinstance(amp, torch.autocast) and Runtime(
+            device, amp.fast_dtype).weights_in_compute_dtype:
         cast_frozen_gemm_weights(model, amp.fast_dtype)
     return model
 

@@ -130,7 +130,6 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
     from glm_lora.configs.schema import LoRAConfig, RLConfig
     from glm_lora.engine import rollouts as rollouts_mod
     from glm_lora.evaluation import decode
-    from glm_lora.engine.adapter_stage import frozen_weights_in_compute_dtype
     from glm_lora.engine.losses import GRPOLoss
     from glm_lora.engine.optim import build_optimizer
     from glm_lora.engine.trainer import Runtime, train_step
@@ -148,7 +147,7 @@ def ours(model_dir: Path, prompts: list[list[int]], tok, args, device, graphs: b
     t_load = time.perf_counter()
     model = load_hf(model_dir)
     inject_lora(model, tc.lora)
-    if frozen_weights_in_compute_dtype(device, rt.dtype):
+    if rt.weights_in_compute_dtype:
         cast_frozen_gemm_weights(model, rt.dtype)
     model.to(device).train()
     model.gradient_checkpointing = ckpt         # what engine/fit.py sets from rl.activation_checkpointing

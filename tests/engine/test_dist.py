@@ -9,7 +9,9 @@
 - a rank that raises exits non-zero with its own message on its own stderr (GLM_LORA_TEST_FAIL);
 - kill -9 of one rank, then a restart on 2 ranks, ends bit-identical to an uninterrupted 2-rank run;
 - inside an FSDP2 model the kernels receive plain tensors, never DTensors, and DPO's adapter-off
-  reference reaches the sharded LoRA layers.
+  reference reaches the sharded LoRA layers;
+- FSDP2 on a MoE base shards the routed experts and matches one process; under the CUDA bf16 rule (taken on
+  the CPU) its frozen shards are bf16 and the adapter's fp32, within bf16 rounding of one process.
 
 Every stage input is built once per module with `python -m glm_lora.flows.cli stage`. The machine has 2 cores:
 each torchrun here takes both.
@@ -403,7 +405,8 @@ dist.end_rank(0)
 
 
 def _on_two_ranks(tmp_path, script_text: str, *args: str) -> None:
-    """Run a check script under torchrun on two CPU ranks (gloo); it writes rank<N>.json into tmp_path."""
+    """Run a check script under torchrun on two CPU ranks (gloo) with tmp_path and `args` as its arguments; it writes
+    rank<N>.json into tmp_path."""
     script = tmp_path / "check.py"
     script.write_text(script_text)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -423,6 +426,7 @@ def test_kernels_get_plain_tensors_and_the_adapter_switch_reaches_fsdp2_layers(t
 MOE_FSDP2_CHECK = r'''
 import copy, json, sys, torch
 from glm_lora.engine import dist
+from glm_lora.engine.adapter_stage import _frozen_gemm_weights_in_compute_dtype
 from glm_lora.model.heads import causal_lm_loss
 from glm_lora.engine.trainer import Runtime
 from glm_lora.configs.schema import LoRAConfig
@@ -430,47 +434,68 @@ from glm_lora.model import Decoder, DecoderConfig, inject_lora
 from torch.distributed.tensor import DTensor
 
 d = dist.init("cpu")
+dtype = getattr(torch, sys.argv[2])
+if dtype == torch.bfloat16:     # the CUDA bf16 rule, on the CPU: frozen weights cast, all-gathers in bf16
+    Runtime.weights_in_compute_dtype = property(lambda rt: rt.dtype != torch.float32)
+rt = Runtime(torch.device("cpu"), dtype, d)
 torch.manual_seed(0)
 model = Decoder(DecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=24,
                               intermediate_size=48, arch="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                               topk_group=1, qk_norm=True, attention_bias=True))
-quantization = sys.argv[2]                      # "nf4": the experts in 4 bits, their codes and scales sharded
+quantization = sys.argv[3]                      # "nf4": the experts in 4 bits, their codes and scales sharded
 inject_lora(model, LoRAConfig(target_modules="all-linear", r=4, alpha=8, quantization=quantization))
 for n, p in model.named_parameters():
     if n.endswith("lora_B.weight"):
         torch.nn.init.normal_(p, std=0.05)
+_frozen_gemm_weights_in_compute_dtype(model, rt)        # as the adapter stage does before fit() shards the model
 plain = copy.deepcopy(model)
-rt = Runtime(torch.device("cpu"), torch.float32, d)
 dist.parallelize(model, causal_lm_loss, "fsdp2", rt)
 experts = model.model.layers[1].mlp.experts
 shards = (list(experts.base_layer.gate_up_proj.parameters()) if quantization == "nf4"
           else [experts.base_layer.gate_up_proj])
-assert len(shards) == (4 if quantization == "nf4" else 1)
-for stacked in shards:                          # experts split over ranks
-    assert isinstance(stacked, DTensor) and stacked.to_local().shape[0] == 8 // d.world_size, stacked.shape
+assert len(shards) == (6 if quantization == "nf4" else 1)
+for stacked in shards:                          # experts split over ranks (the code tables: 16 and 256 entries)
+    assert isinstance(stacked, DTensor), stacked.shape
+frozen = {n: p.to_local().dtype for n, p in model.named_parameters() if not p.requires_grad}
+if quantization == "nf4":
+    assert shards[0].to_local().shape[0] == 8 // d.world_size and frozen[
+        "model.layers.1.mlp.experts.base_layer.down_proj.packed"] == torch.uint8
+else:
+    assert shards[0].to_local().shape[0] == 8 // d.world_size
+    assert frozen["model.layers.1.mlp.experts.base_layer.down_proj"] == frozen["lm_head.weight"] == dtype, frozen
+assert frozen["model.embed_tokens.weight"] == torch.float32                 # not a GEMM weight: kept fp32
+assert {p.to_local().dtype for p in model.parameters() if p.requires_grad} == {torch.float32}   # the adapter's shards
 ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(1))
 batch = {"input_ids": ids, "labels": ids.clone(), "doc_ids": torch.tensor([[1] * 6 + [2] * 6, [3] * 5 + [4] * 7]),
          "packed": True}
-loss, _ = causal_lm_loss(model, batch)
-loss.backward()
-plain_loss, _ = causal_lm_loss(plain, batch)
-plain_loss.backward()
-torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=1e-5)
+for m in (model, plain):
+    with rt.autocast():
+        loss, _ = causal_lm_loss(m, batch)
+    loss.backward()
+    m.loss = loss
 grad = experts.down_proj.lora_A.weight.grad.full_tensor()
-torch.testing.assert_close(grad, plain.model.layers[1].mlp.experts.down_proj.lora_A.weight.grad, atol=1e-5, rtol=1e-4)
+plain_grad = plain.model.layers[1].mlp.experts.down_proj.lora_A.weight.grad
+if dtype == torch.bfloat16:     # bf16 rounding apart: FSDP2 gathers norms, router and embeddings in bf16 too
+    torch.testing.assert_close(model.loss, plain.loss, atol=0, rtol=1e-3)
+    torch.testing.assert_close(grad, plain_grad, atol=2 ** -5 * float(plain_grad.abs().max()), rtol=0)
+else:
+    torch.testing.assert_close(model.loss, plain.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=1e-4)
 assert all(p.grad is None for p in experts.base_layer.parameters())
-open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(loss)}))
+open(f"{sys.argv[1]}/rank{d.rank}.json", "w").write(json.dumps({"loss": float(model.loss)}))
 dist.end_rank(0)
 '''
 
 
-@pytest.mark.parametrize("quantization", ["none", "nf4"])
-def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path, quantization):
+@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("float32", "nf4"),
+                                                ("bfloat16", "nf4")])
+def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path, dtype, quantization):
     """A GLM-4.5-style MoE with LoRA on every projection under FSDP2 on two ranks: each rank holds half the
-    experts (the stacked expert weights — or with nf4 their 4-bit codes and scales — shard on the expert dim), and the
-    loss and the experts' LoRA gradients equal one process's."""
-    _on_two_ranks(tmp_path, MOE_FSDP2_CHECK, quantization)
+    experts (the stacked expert weights — with nf4 their 4-bit codes and scales — shard on the expert dim), and the
+    loss and the experts' LoRA gradients equal one process's. bfloat16: the CUDA bf16 rule taken on the CPU (frozen
+    GEMM weights sharded in bf16, the adapter's shards fp32, all-gathers in bf16)."""
+    _on_two_ranks(tmp_path, MOE_FSDP2_CHECK, dtype, quantization)
     losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["loss"] for r in (0, 1)]
     assert losses[0] == losses[1]
 

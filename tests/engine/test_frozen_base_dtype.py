@@ -3,14 +3,14 @@
 every layout, with the adapter, modules_to_save, norms and embeddings left in fp32. On the CPU the step runs
 under CPU bf16 autocast (the same casts); on a GPU with the fused kernels as well."""
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from glm_lora.kernels import ops as kernels
 from glm_lora.configs.schema import LoRAConfig
-from glm_lora.engine.adapter_stage import _frozen_gemm_weights_in_compute_dtype, frozen_weights_in_compute_dtype
+from glm_lora.engine.adapter_stage import _frozen_gemm_weights_in_compute_dtype
+from glm_lora.engine.trainer import Runtime
 from glm_lora.engine.losses import PreferenceLoss
 from glm_lora.model.heads import causal_lm_loss
 from glm_lora.model import inject_lora
@@ -20,12 +20,12 @@ from tests.model.test_lora import LAYOUT_PROJECTIONS, VOCAB, randomise_b, tiny_a
 CUDA = torch.device("cuda")
 
 
-def test_the_rule_cuda_half_precision_and_not_fsdp2():
-    assert frozen_weights_in_compute_dtype(CUDA, torch.bfloat16)
-    assert frozen_weights_in_compute_dtype(CUDA, torch.float16)
-    assert not frozen_weights_in_compute_dtype(CUDA, torch.float32)
-    assert not frozen_weights_in_compute_dtype(torch.device("cpu"), torch.bfloat16)   # CPU: fp32 master weights
-    assert not frozen_weights_in_compute_dtype(CUDA, torch.bfloat16, fsdp2=True)      # FSDP2 casts per all-gather
+def test_the_rule_cuda_half_precision():
+    assert Runtime(CUDA, torch.bfloat16).weights_in_compute_dtype
+    assert Runtime(CUDA, torch.float16).weights_in_compute_dtype
+    assert Runtime(CUDA, torch.bfloat16, dist=object()).weights_in_compute_dtype   # FSDP2: bf16 shards (test_dist.py)
+    assert not Runtime(CUDA, torch.float32).weights_in_compute_dtype
+    assert not Runtime(torch.device("cpu"), torch.bfloat16).weights_in_compute_dtype   # CPU: fp32 master weights
 
 
 def lora_model(arch: str):
@@ -37,15 +37,13 @@ def lora_model(arch: str):
 
 def test_a_dense_base_is_cast_and_everything_trainable_stays_fp32():
     m = lora_model("qwen3")
-    rt = SimpleNamespace(device=CUDA, dtype=torch.bfloat16, dist=None)     # the stage's runtime, as on a GPU
-    assert _frozen_gemm_weights_in_compute_dtype(m, None, "sft", rt)
+    assert _frozen_gemm_weights_in_compute_dtype(m, Runtime(CUDA, torch.bfloat16))    # the stage's runtime on a GPU
     for name, p in m.named_parameters():
         frozen_gemm = not p.requires_grad and name.endswith(".weight") and "norm" not in name
         assert p.dtype == (torch.bfloat16 if frozen_gemm else torch.float32), name
     assert all(mod.weight.dtype == torch.bfloat16 for mod in m.modules() if isinstance(mod, LoRALinear))
     cpu = lora_model("qwen3")
-    assert not _frozen_gemm_weights_in_compute_dtype(cpu, None, "sft", SimpleNamespace(
-        device=torch.device("cpu"), dtype=torch.bfloat16, dist=None))
+    assert not _frozen_gemm_weights_in_compute_dtype(cpu, Runtime(torch.device("cpu"), torch.bfloat16))
     assert all(p.dtype == torch.float32 for p in cpu.parameters())
 
 
@@ -75,8 +73,7 @@ def step_grads(model, loss_fn, b, device):
 def check_same_step(device, arch):
     fp32 = lora_model(arch).to(device)
     half = copy.deepcopy(fp32)
-    _frozen_gemm_weights_in_compute_dtype(half, None, "sft", SimpleNamespace(device=CUDA, dtype=torch.bfloat16,
-                                                                              dist=None))
+    _frozen_gemm_weights_in_compute_dtype(half, Runtime(CUDA, torch.bfloat16))
     dpo = PreferenceLoss(beta=0.1, nll_weight=0.5, kind="dpo")
     for loss_fn, b in ((causal_lm_loss, batch(device)), (dpo, batch(device, seed=2))):
         loss32, g32 = step_grads(fp32, loss_fn, b, device)

@@ -48,7 +48,7 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     before = _mtp_before(cfg, stage, model, data, rt)
     loss = _mtp_training(cfg, stage, model, loss)
     inject_lora(model, tc.lora)             # the MTP layer too, where the stage trains it
-    low_precision = _frozen_gemm_weights_in_compute_dtype(model, cfg, stage, rt)
+    low_precision = _frozen_gemm_weights_in_compute_dtype(model, rt)
     log.info("%s: %.3fM trainable of %.2fM", stage, model.num_params(True) / 1e6, model.num_params() / 1e6)
     health = RouterHealth(model, tc.router_aux_loss, stage)         # mixture of experts: routing per step
     source = batches(data, model, rt) if batches else data
@@ -69,23 +69,19 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     return {**metrics, "trainable_params": model.num_params(True)}
 
 
-def _frozen_gemm_weights_in_compute_dtype(model: Decoder, cfg: Config, stage: str, rt) -> bool:
-    """On CUDA under bf16/fp16 autocast, the base's frozen GEMM weights (linear layers, routed experts) are kept
-    in the compute dtype, as a user loads such a model: every matmul already ran in that dtype under autocast, so
-    training is unchanged, but autocast no longer re-casts each frozen fp32 weight at every use (it caches casts of
-    trainable weights only), and the base takes half the memory (bench/RESULTS.md, "bf16 frozen base"). The
-    adapter, modules_to_save, norms and embeddings stay fp32. Not under FSDP2, whose mixed-precision policy casts
-    per all-gather. Returns whether it did (evaluation then runs under autocast too)."""
-    if not frozen_weights_in_compute_dtype(rt.device, rt.dtype, fsdp2=bool(rt.dist)
-                                           and dist.strategy_for(cfg, stage) == "fsdp2"):
+def _frozen_gemm_weights_in_compute_dtype(model: Decoder, rt) -> bool:
+    """Where `rt.weights_in_compute_dtype` (CUDA under bf16/fp16 autocast), the base's frozen GEMM weights (linear
+    layers, routed experts) are kept in the compute dtype, as a user loads such a model: every matmul already ran in
+    that dtype under autocast, so training is unchanged, but autocast no longer re-casts each frozen fp32 weight at
+    every use (it caches casts of trainable weights only), and the base takes half the memory (bench/RESULTS.md,
+    "bf16 frozen base"). The adapter, modules_to_save, norms and embeddings stay fp32. Under FSDP2 this runs before
+    fit() shards the model, so the frozen shards are half the size too: FSDP2 gathers a parameter already in its
+    param_dtype as it is and needs one dtype among the trainable ones only (tests/engine/test_dist.py). Returns
+    whether it did (evaluation then runs under autocast too)."""
+    if not rt.weights_in_compute_dtype:
         return False
     cast_frozen_gemm_weights(model, rt.dtype)
     return True
-
-
-def frozen_weights_in_compute_dtype(device: torch.device, dtype: torch.dtype, fsdp2: bool = False) -> bool:
-    """Whether a LoRA stage holds its frozen GEMM weights in `dtype` (the one place that decides it)."""
-    return device.type == "cuda" and dtype != torch.float32 and not fsdp2
 
 
 BEFORE = {"sft": "base", "dpo": "sft", "rl": "dpo"}      # the model each adapter stage starts from
@@ -101,7 +97,7 @@ def _mtp_before(cfg: Config, stage: str, model: Decoder, data: StageData, rt) ->
         log.info("%s: the starting model's MTP acceptance is not measured under FSDP2", stage)
         return {}
     model.to(rt.device)
-    low_precision = frozen_weights_in_compute_dtype(rt.device, rt.dtype)
+    low_precision = rt.weights_in_compute_dtype
     with rt.autocast() if low_precision else contextlib.nullcontext():
         ev = eval_mtp(cfg, model, data.tok, data.data_dir)
     return {f"mtp_acceptance_{BEFORE[stage]}": ev["mtp_acceptance"]}

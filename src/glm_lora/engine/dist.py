@@ -19,7 +19,9 @@ Strategies (`dist.strategy`; `strategy_for`):
   root; FSDP keeps the root unsharded from forward to backward, so lm_head.weight is a plain tensor
   there. Inside every module's forward the parameters are plain unsharded tensors too: the fused
   Triton ops and FlexAttention never see a DTensor. On CUDA with precision bf16 the parameters are
-  gathered in bf16 and gradients reduced in fp32 (MixedPrecisionPolicy); otherwise fp32.
+  gathered in bf16 and gradients reduced in fp32 (MixedPrecisionPolicy); otherwise fp32. A LoRA stage's
+  frozen base is cast to bf16 before sharding there (engine/adapter_stage.py): its shards are bf16, the
+  adapter's fp32.
 
 Batch math: one optimizer step takes batch_size × grad_accum × world_size rows (× seq_len token
 slots); `<stage>.global_batch_size` fixes the rows and derives grad_accum (`grad_accum`, `check`).
@@ -288,8 +290,9 @@ def parallelize(model: nn.Module, loss_fn: Callable, strategy: str, rt) -> Calla
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(rt.device.type, (rt.dist.world_size,))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if rt.device.type == "cuda" and rt.dtype == torch.bfloat16 else MixedPrecisionPolicy())
+    # Gathered in the dtype the matmuls read (frozen weights already in it as they are), gradients reduced in fp32.
+    mp = (MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.weights_in_compute_dtype
+          else MixedPrecisionPolicy())
     for block in model.model.layers:            # one all-gather per block: only one block is whole at a time
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)   # the rest: embeddings, final norm, lm_head

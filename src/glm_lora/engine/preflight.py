@@ -17,7 +17,8 @@ from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import Config
 from glm_lora.engine import dist
 from glm_lora.engine.fit import decoder_config
-from glm_lora.engine.memory import GiB, describe, lora_memory
+from glm_lora.engine.memory import GiB, describe, fits, lora_memory
+from glm_lora.engine.trainer import Runtime
 from glm_lora.data import formats
 from glm_lora.data.cleaning import CleanReport
 from glm_lora.data.prepare import base_tokenizer_files, check_user_paths
@@ -107,14 +108,15 @@ def _check_memory(cfg: Config, layout: DecoderConfig) -> None:
     """A base model's LoRA stages must fit the GPU they run on (engine/memory.py's estimate, per process): too
     big is refused before anything runs, naming what to change. Logged for a mixture-of-experts base."""
     on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    half = Runtime.resolve("cuda" if on_cuda else "cpu", cfg.precision).weights_in_compute_dtype
     for stage, tc in (("sft", cfg.sft), ("dpo", cfg.dpo)):
         need = lora_memory(layout, tc.lora, tc, world_size=dist.world_size(cfg), strategy=dist.strategy_for(cfg, stage),
-                           cuda_half=on_cuda and cfg.precision != "fp32")
+                           cuda_half=half)
         if layout.layout.moe:
             log.info("%s needs about %.1f GiB per process (%s)", stage, need["total"] / GiB, describe(need))
         if on_cuda:
             have = torch.cuda.get_device_properties(0).total_memory
-            if need["total"] > 0.95 * have:
+            if not fits(need["total"], have):
                 raise UserError(f"{stage} needs about {need['total'] / GiB:.1f} GiB per GPU ({describe(need)}) and "
                                 f"this GPU has {have / GiB:.1f} GiB (base_model {cfg.base_model}): set dist.strategy fsdp2 "
                                 f"over more GPUs (dist.nproc_per_node), {stage}.activation_checkpointing: true, a "

@@ -71,6 +71,14 @@ class Runtime:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         return cls(torch.device(device), dtype)
 
+    @property
+    def weights_in_compute_dtype(self) -> bool:
+        """Whether the weights the matmuls read are held in the compute dtype (the one place that decides it): on
+        CUDA under bf16/fp16, a LoRA stage's frozen GEMM weights (engine/adapter_stage.py), sharded so under FSDP2
+        too, whose all-gathers then run in that dtype (engine/dist.py). Elsewhere fp32 weights, cast per matmul by
+        autocast."""
+        return self.device.type == "cuda" and self.dtype != torch.float32
+
     def autocast(self):
         if self.dtype == torch.float32:
             return contextlib.nullcontext()

@@ -348,16 +348,19 @@ def check_nf4_blocks(model: nn.Module, names: list[str], key: str = "lora.quanti
                               "lora.target_modules or set lora.quantization: none")
 
 
+def frozen_gemm_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The frozen weights of every linear layer and routed-experts stack (the GEMM operands); not the adapter,
+    modules_to_save, norms or embeddings."""
+    return [p for m in model.modules() if isinstance(m, (nn.Linear, LoRALinear, Experts))
+            for p in (getattr(m, name, None) for name in ("weight", "gate_up_proj", "down_proj"))
+            if isinstance(p, nn.Parameter) and not p.requires_grad]
+
+
 def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:
-    """The frozen weights of every linear layer and routed-experts stack (the GEMM operands) in `dtype`; the
-    adapter, modules_to_save, norms and embeddings keep theirs. Sibling LoRA linears of one input (a module's
-    `siblings()`: q/k/v, gate/up) then hold their weights as row blocks of one tensor."""
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, LoRALinear, Experts)):
-            for name in ("weight", "gate_up_proj", "down_proj"):
-                p = getattr(m, name, None)
-                if isinstance(p, nn.Parameter) and not p.requires_grad:
-                    p.data = p.data.to(dtype)
+    """`frozen_gemm_weights` in `dtype`; the other parameters keep theirs. Sibling LoRA linears of one input (a
+    module's `siblings()`: q/k/v, gate/up) then hold their weights as row blocks of one tensor."""
+    for p in frozen_gemm_weights(model):
+        p.data = p.data.to(dtype)
     for m in list(model.modules()):
         if isinstance(m, (Attention, LatentAttention, MLP)) and (siblings := m.siblings()):
             share_frozen_storage(list(siblings))

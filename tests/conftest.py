@@ -43,7 +43,8 @@ def pytest_collection_finish(session):
 # --no-loadscope-reorder` each starts on its own worker while the short ones fill the gaps, instead of
 # the default DAG's ~12 min starting last.
 LONGEST_FIRST = ("tests/test_quality.py", "tests/serve/test_deployment.py", "tests/test_dag.py",
-                 "tests/engine/test_dist.py", "tests/serve/test_vllm_server.py", "tests/engine/test_kill_resume.py")
+                 "tests/engine/test_dist.py", "tests/serve/test_vllm_server.py", "tests/engine/test_kill_resume.py",
+                 "tests/tasks/test_multinode.py")
 
 
 # Last: they wait for llama.cpp's runtime, built beside the other tests (scripts/test.sh).

@@ -310,8 +310,9 @@ KILL = {"pretrain.max_steps": 16, "pretrain.packing": True, "pretrain.batch_size
         "pretrain.prefetch": 2, "pretrain.eval_every": 6, "checkpoint.async_save": True, "eval.enabled": False}
 
 
-def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
-    for child in psutil.Process(launcher.pid).children(recursive=True):
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The process below process `root` that runs as `rank` (torchrun's RANK)."""
+    for child in psutil.Process(root).children(recursive=True):
         try:
             if child.environ().get("RANK") == str(rank):
                 return child.pid
@@ -337,7 +338,7 @@ def test_kill_minus_9_of_one_rank_then_restart_is_bit_identical(prepared):
     while _newest_step(prepared["runs"], "killed") < kill_after and launcher.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(rng.random() * 0.2)                     # mid-step or mid-save
-    victim = _rank_pid(launcher, 1)
+    victim = _rank_pid(launcher.pid, 1)
     assert victim is not None and launcher.poll() is None, "the run ended before the kill"
     os.kill(victim, signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)

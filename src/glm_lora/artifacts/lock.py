@@ -10,6 +10,9 @@ Holding the lock means no live writer owns the directory's scratch entries
 (`.<name>.tmp-*` / `.<name>.old-*`, see artifacts.staging_dir), so on taking it they are cleaned:
 an `.old-*` whose artifact is missing (a crash between the two renames of a publish) is put back,
 everything else is removed.
+
+On several machines sharing the run directory, node 0 takes this lock and the other nodes (which publish
+nothing: tasks/nodes.py) one of their own each, `.lock-node<R>`, and clean nothing.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ LOCK = ".lock"
 _SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<ns>\d+)$")
 log = logging.getLogger("glm_lora.artifacts")
 
-_held: dict[Path, list] = {}        # run_dir → [open lock file, depth]
+_held: dict[Path, list] = {}        # lock path → [open lock file, depth]
 _guard = threading.Lock()
 
 
@@ -40,27 +43,29 @@ class RunDirBusy(UserError):
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    run_dir = Path(run_dir).absolute()
+def run_lock(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
+    path = Path(run_dir).absolute() / (f"{LOCK}-node{node_rank}" if node_rank else LOCK)
     with _guard:
-        if run_dir in _held:
-            _held[run_dir][1] += 1
+        if path in _held:
+            _held[path][1] += 1
         else:
-            _held[run_dir] = [_acquire(run_dir), 1]
-            clean_scratch(run_dir)
+            _held[path] = [_acquire(path), 1]
+            if not node_rank:
+                clean_scratch(path.parent)
     try:
         yield
     finally:
         with _guard:
-            entry = _held[run_dir]
+            entry = _held[path]
             entry[1] -= 1
             if entry[1] == 0:
-                del _held[run_dir]
+                del _held[path]
                 entry[0].close()        # closing the file releases the flock
 
 
-def _acquire(run_dir: Path):
-    f, holder = take_flock(Path(run_dir) / LOCK)
+def _acquire(path: Path):
+    run_dir = path.parent
+    f, holder = take_flock(path)
     if f is None:
         raise RunDirBusy(f"{run_dir} is in use by another glm-lora run ({holder}); wait for it to finish "
                          "or choose another run_name")

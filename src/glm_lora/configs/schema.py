@@ -572,7 +572,11 @@ class DistConfig(Section):
                                              "filesystem.")
     node_rank: int = Field(0, ge=0, description="This machine's place among the nnodes, from 0.")
     rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^\S+:\d{1,5}$",
-                               description="host:port of node 0, where the processes meet (several machines).")
+                               description="host:port on node 0 where the processes meet (several machines); "
+                                           "every node must reach it.")
+    node_timeout_s: int = Field(1800, ge=1, description="Several machines: seconds a node waits for the others, at "
+                                                        "each training stage's start and (nodes other than 0) for "
+                                                        "node 0 to publish a stage.")
     strategy: Literal["auto", "ddp", "fsdp2"] = Field(
         "auto", description="ddp: every process holds the whole model and gradients are all-reduced; fsdp2: "
                             "parameters, gradients and optimizer state sharded over the processes. auto: fsdp2 for "

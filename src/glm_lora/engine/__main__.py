@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             if not d.main:      # rank 0 speaks for all; the others only warn
                 logging.getLogger().setLevel(logging.WARNING)
             dist.check(cfg, d.world_size)
+            dist.check_same_config(cfg, d)
         run = importlib.import_module(f"glm_lora.engine.{args.stage}").run
         with kernels.using(cfg.kernels, cfg.attention), progress.listening(lambda e: print(progress.as_line(e),
                                                                                          flush=True)):

@@ -204,7 +204,9 @@ def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None) ->
     parameter name — this rank's shards for a sharded model, whole tensors for a plain one."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
-    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    weights = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    # buffers too otherwise (a MoE router's e_score_correction_bias), which no stage trains and _trainable leaves out
+    state = {"model": {n: t for n, t in weights.items() if n in _trainable(model)}}
     if opt is not None:
         state["optim"] = get_optimizer_state_dict(model, opt)
     return state

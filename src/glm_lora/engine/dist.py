@@ -219,6 +219,28 @@ def init(device: str) -> Dist:
     return _CURRENT
 
 
+def check_same_config(cfg: Config, d: Dist) -> None:
+    """Every rank runs rank 0's config, dist.node_rank aside: a node started with another one would train something
+    else or stop in a collective the others never reach. Collective; every rank raises the same UserError, naming
+    the keys that differ."""
+    mine = _leaves(cfg.model_dump(mode="json"))
+    mine.pop("dist.node_rank")
+    configs = d.all_gather(mine)
+    for rank, other in enumerate(configs):
+        keys = sorted(k for k in other.keys() | configs[0].keys() if other.get(k) != configs[0].get(k))
+        if keys:
+            diff = "; ".join(f"{k}: {other.get(k)!r} there, {configs[0].get(k)!r} on rank 0" for k in keys[:5])
+            raise UserError(f"rank {rank} runs another config than rank 0 ({diff}); start every node with the same "
+                            "config (only dist.node_rank differs)")
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def current() -> Dist | None:
     """The process group this process joined with init(), or None (one process)."""
     return _CURRENT

@@ -151,7 +151,7 @@ def _run(args) -> int:
     from glm_lora.engine.preflight import preflight     # imported here: a config error is reported without torch
     preflight(cfg)
     if args.cmd == "stage":
-        with run_lock(cfg.run_dir):
+        with run_lock(cfg.run_dir, cfg.dist.node_rank):
             ref = run_one_stage(args.name, cfg)
         print(json.dumps({**ref.to_dict(), "metrics": ref.manifest()["metrics"]}, indent=2, ensure_ascii=False))
         return 0

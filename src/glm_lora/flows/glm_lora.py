@@ -45,7 +45,7 @@ def glm_lora(config: str = "tiny", overrides: dict[str, Any] | None = None,
         for note in serving_notes(cfg):
             get_run_logger().warning("%s", note)
         tracker = tracking.connect(cfg)      # a store that cannot be used: one warning line, the run goes on untracked
-        with run_lock(cfg.run_dir):
+        with run_lock(cfg.run_dir, cfg.dist.node_rank):
             return run_chain(cfg, set(refresh or ()), tracker)
     except UserError as e:
         get_run_logger().error("error: %s", e)

@@ -17,6 +17,7 @@ from glm_lora.artifacts import manifest as artifacts
 from glm_lora.artifacts.manifest import code_version, is_complete, read_manifest, sha256_json, sha256_path
 from glm_lora.configs.load import get_dotted
 from glm_lora.configs.schema import Config
+from glm_lora.tasks import nodes
 from glm_lora.tasks.table import DISTRIBUTED, STAGES, chain, upstream
 
 
@@ -115,6 +116,12 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
     out = cfg.stage_dir(name)
     parts = key_parts(name, cfg, list(inputs.values()), out)
     key = sha256_json(parts)
+    dirs = {k: Path(r["path"]) for k, r in inputs.items()}
+    # Node 0 of a several-machine run publishes; this node trains along or waits, without `guard`: node 0 holds
+    # the training slot for the whole job, and waiting for it here would keep node 0's rendezvous from completing.
+    if nodes.follows(cfg):
+        return nodes.follow(name, cfg, dirs, out, key, force=force or not STAGES[name].cached, reusable=reusable,
+                            log=log)
     if STAGES[name].cached and not force and reusable(out, key):
         return artifacts.ref_for(out), True
     if STAGES[name].cached:
@@ -126,7 +133,6 @@ def build_stage(name: str, cfg: Config, inputs: dict[str, dict], *, force: bool 
         from glm_lora.tasks.launch import torchrun_stage
         if cfg.dist.launcher == "torchrun" or world_size(cfg) > 1:
             fn = functools.partial(torchrun_stage, name, log=log)      # every rank in its own process
-    dirs = {k: Path(r["path"]) for k, r in inputs.items()}
     # imported here, not at the top: reading the cache (`status`, a config error) loads no torch
     from glm_lora.kernels import ops as kernels
     with guard(), kernels.using(cfg.kernels, cfg.attention):     # the ops every stage runs: kernels/ops.py

@@ -6,8 +6,9 @@ rank 0's output into `log` (the Prefect task's logger under Prefect) and keeps e
 stdout/stderr in `runs/<run>/logs/<stage>-<time>/`. If any rank fails, the stage fails with that
 rank's own message: a user error (exit 2, one `error: ` line) stays a user error (not retried),
 anything else carries the rank's traceback (retried by Prefect; the stage resumes from its
-checkpoint). Multi-node: the same command on every node with `dist.nnodes`, `dist.node_rank` and
-`dist.rdzv_endpoint` (README "More than one GPU").
+checkpoint). Several machines: the same command on every node with `dist.nnodes`, `dist.node_rank` and
+`dist.rdzv_endpoint`; node R's ranks are R × nproc_per_node onwards, so global rank 0, which writes the stage's
+files and prints its metrics, runs on node 0 (tasks/nodes.py says what the other nodes do; docs/multi-gpu.md).
 """
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ class RankUserError(UserError):
 def torchrun_command(cfg, stage: str, config_file: Path, inputs: dict[str, Path], out_dir: Path,
                      log_dir: Path) -> list[str]:
     d = cfg.dist
+    # Static rendezvous: c10d ignores --node-rank and numbers the nodes in its own order (node 1 could hold rank 0);
+    # static makes node R's ranks follow dist.node_rank, node 0 host the store, and MASTER_ADDR the endpoint's host.
     rendezvous = (["--standalone"] if d.nnodes == 1 else
-                  [f"--nnodes={d.nnodes}", f"--node-rank={d.node_rank}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={cfg.run_name}-{stage}"])
+                  [f"--nnodes={d.nnodes}", f"--node-rank={d.node_rank}", "--rdzv-backend=static",
+                   f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={cfg.run_name}-{stage}",
+                   f"--rdzv-conf=timeout={d.node_timeout_s}"])
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node(cfg)}", *rendezvous,
             f"--log-dir={log_dir}", "--tee=3", "--local-ranks-filter=0", "--max-restarts=0",
             "-m", "glm_lora.engine", stage, "--config", str(config_file), "--out", str(out_dir),
@@ -51,7 +55,8 @@ def torchrun_command(cfg, stage: str, config_file: Path, inputs: dict[str, Path]
 
 def torchrun_stage(stage: str, cfg, inputs: dict[str, Path], out_dir: Path, *,
                    log: logging.Logger = logging.getLogger("glm_lora.launch")) -> dict:
-    log_dir = cfg.run_dir / "logs" / f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    node = f"-node{cfg.dist.node_rank}" if cfg.dist.nnodes > 1 else ""     # the nodes share runs_dir
+    log_dir = cfg.run_dir / "logs" / f"{stage}{node}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     config_file = log_dir / "config.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), allow_unicode=True))
@@ -70,7 +75,9 @@ def torchrun_stage(stage: str, cfg, inputs: dict[str, Path], out_dir: Path, *,
             lines.append(line)
             log.info("%s", line)
     if proc.returncode != 0:
-        raise _failure(stage, log_dir, "\n".join(lines))
+        raise _failure(stage, log_dir, "\n".join(lines), cfg.dist.node_rank * nproc_per_node(cfg))
+    if cfg.dist.node_rank > 0:
+        return {}               # rank 0 runs on node 0, which publishes the stage
     metrics = next((json.loads(m) for m in reversed(lines) if m.startswith("{")), None)
     if metrics is None:
         raise RankFailed(f"{stage}: torchrun finished but rank 0 printed no metrics; logs in {log_dir}")
@@ -81,9 +88,10 @@ def _strip(line: str) -> str:
     return re.sub(r"^\[default\d+\]:", "", line)
 
 
-def _failure(stage: str, log_dir: Path, launcher_output: str) -> Exception:
-    """The failing rank's own message: torchrun's "first observed failure" if it names one."""
-    logs = {int(p.parent.name): p for p in log_dir.rglob("stderr.log") if p.parent.name.isdigit()}
+def _failure(stage: str, log_dir: Path, launcher_output: str, first_rank: int = 0) -> Exception:
+    """The failing rank's own message: torchrun's "first observed failure" if it names one. This node's logs are
+    kept by local rank; `first_rank` is the global rank of its local rank 0."""
+    logs = {first_rank + int(p.parent.name): p for p in log_dir.rglob("stderr.log") if p.parent.name.isdigit()}
     texts = {rank: logs[rank].read_text(errors="replace") for rank in sorted(logs)}
     for rank, text in texts.items():      # a user error anywhere is the cause (the others saw a closed connection)
         user = [ln for ln in text.splitlines() if ln.startswith("error: ")]

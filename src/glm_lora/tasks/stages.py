@@ -22,7 +22,7 @@ from prefect.states import Completed, Failed
 from glm_lora.configs.errors import UserError
 from glm_lora.engine import progress
 from glm_lora.configs.schema import Config
-from glm_lora.tasks import report
+from glm_lora.tasks import nodes, report
 from glm_lora.tasks.cache import build_stage
 from glm_lora.tasks.report import artifact_key
 from glm_lora.tasks.table import STAGES
@@ -146,6 +146,9 @@ def run_stage(name: str, cfg: Config, inputs: dict[str, dict], force: bool = Fal
     if reused:
         log.info("%s: reusing %s (cache key in its manifest matches)", name, ref.path)
         return Completed(name="Cached", data=ref.to_dict(), message=f"reused {ref.path}")
+    if nodes.follows(cfg):           # node 0 published it and its reports
+        log.info("%s: trained along with node 0, which published %s", name, ref.path)
+        return ref.to_dict()
     metrics = ref.manifest()["metrics"]
     report.publish(cfg.run_name, cfg.run_dir, name, Path(ref.path), metrics)
     if name in EXTRA_ARTIFACTS:

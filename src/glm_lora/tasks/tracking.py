@@ -68,7 +68,7 @@ def _one_line(e: BaseException) -> str:
 def connect(cfg: Config) -> "Tracker":
     """The flow's tracker: off unless tracking.backend is mlflow and the store answers — asked now, before any stage
     runs; if it does not, one warning line and the flow goes on untracked."""
-    if cfg.tracking.backend == "none":
+    if cfg.tracking.backend == "none" or cfg.dist.node_rank > 0:      # several machines: node 0's run is tracked
         return Tracker(cfg)
     uri = tracking_uri(cfg)
     try:

@@ -41,7 +41,7 @@ from glm_lora.artifacts.manifest import atomic_write_text
 from glm_lora.configs.errors import UserError, quote
 from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig, shapes_only
 from glm_lora.model.quant import NF4Params
-from glm_lora.model.tensor_files import MAX_FILE_BYTES, TensorFiles, index_name, write_tensors
+from glm_lora.model.tensor_files import MAX_FILE_BYTES, TensorFiles, index_name, remove_tensors, write_tensors
 
 
 log = logging.getLogger("glm_lora.hf")
@@ -647,6 +647,8 @@ def write_native(cfg: DecoderConfig, weights: Iterable[tuple[str, torch.Tensor]]
     first = next(carried, None)
     if first is not None:
         write_tensors(out_dir, NATIVE_CARRIED, itertools.chain([first], carried), max_file_bytes)
+    else:
+        remove_tensors(out_dir, NATIVE_CARRIED)         # none now: none left from an earlier save either
     atomic_write_text(out_dir / NATIVE_CONFIG, json.dumps(cfg.to_dict(), indent=2))
 
 

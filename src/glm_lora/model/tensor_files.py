@@ -50,8 +50,9 @@ def files_of(path: Path, stem: str) -> list[Path]:
 
 
 class TensorFiles:
-    """The tensors of some safetensors files by name, each read alone when asked for (memory-mapped: a file is never
-    read whole). A context manager: the files stay open until it exits."""
+    """The tensors of some safetensors files by name, each read alone when asked for. A tensor it gives is a
+    copy-on-write view of the memory-mapped file (safetensors' default): page cache until written, not memory of the
+    process, and still valid once the files are closed. A context manager: the files stay open until it exits."""
 
     def __init__(self, files: Iterable[Path]):
         self._stack = contextlib.ExitStack()
@@ -117,8 +118,7 @@ def write_tensors(out_dir: Path, stem: str, tensors: Iterable[tuple[str, torch.T
     index last; a set of the other layout left in `out_dir` from before is removed first."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [out_dir / f"{stem}.safetensors", out_dir / index_name(stem), *out_dir.glob(f"{stem}-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)
+    remove_tensors(out_dir, stem)
     written: list[tuple[Path, list[str], int]] = []
     batch: dict[str, torch.Tensor] = {}
     size = 0
@@ -145,6 +145,14 @@ def write_tensors(out_dir: Path, stem: str, tensors: Iterable[tuple[str, torch.T
     index = {"metadata": {"total_size": sum(s for _, _, s in written)},
              "weight_map": {k: name for (_, keys, _), name in zip(written, names) for k in keys}}
     atomic_write_text(out_dir / index_name(stem), json.dumps(index, indent=2))
+
+
+def remove_tensors(out_dir: Path, stem: str) -> None:
+    """The tensor set `stem` of `out_dir` removed, in either layout (tensors still read from it stay readable: a
+    memory-mapped file lives on until its last mapping goes)."""
+    out_dir = Path(out_dir)
+    for old in [out_dir / f"{stem}.safetensors", out_dir / index_name(stem), *out_dir.glob(f"{stem}-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
 
 
 def _write_part(out_dir: Path, stem: str, i: int, batch: dict[str, torch.Tensor]) -> tuple[Path, list[str], int]:

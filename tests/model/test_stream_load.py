@@ -263,6 +263,15 @@ def test_a_native_checkpoint_of_several_files_round_trips_with_mtp(tmp_path):
     assert not list((tmp_path / "native").glob("carried*")) and load_native(tmp_path / "native").carried == {}
 
 
+def test_hf_checkpoint_refuses_a_weight_in_two_files(tmp_path):
+    from glm_lora.model.hf import BaseModelError
+    hub = glm45_dir(tmp_path)
+    first = sorted(hub.glob("model-*.safetensors"))[0]
+    (hub / "stale.safetensors").write_bytes(first.read_bytes())
+    with pytest.raises(BaseModelError, match=r"stale.safetensors: tensor '.*' is in .*model-00001.* too; supported"):
+        HFCheckpoint(hub)
+
+
 def test_hf_checkpoint_refuses_a_shape_config_json_does_not_describe(tmp_path):
     from safetensors.torch import save_file
     hub = glm45_dir(tmp_path)

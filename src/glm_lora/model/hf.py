@@ -490,7 +490,10 @@ class HFCheckpoint:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.cfg = read_hf_config(self.path)
-        self.files = TensorFiles(check_weights(self.path))
+        try:
+            self.files = TensorFiles(check_weights(self.path))
+        except ValueError as e:         # one weight in two files: which one transformers would load is not ours to pick
+            raise BaseModelError(f"{e}; supported: each weight in one *.safetensors file of {self.path}") from None
         try:
             with shapes_only():
                 self.model = Decoder(self.cfg)      # on the meta device: the names and shapes to expect

@@ -22,28 +22,34 @@ from glm_lora.engine.fit import check_seq_len, consolidated, fit, setup
 from glm_lora.engine.losses import WithMTP
 from glm_lora.engine.router_stats import RouterHealth
 from glm_lora.evaluation.heldout import eval_mtp
-from glm_lora.model import Decoder, inject_lora, mtp
-from glm_lora.model.lora import cast_frozen_gemm_weights
+from glm_lora.model import Decoder, DecoderConfig, inject_lora, mtp
+from glm_lora.model.hf import Placement
+from glm_lora.model.lora import base_placement, cast_frozen_gemm_weights
 from glm_lora.model.adapters import save_adapter
 
 log = logging.getLogger("glm_lora.adapter")
 
-LoadModel = Callable[[dict[str, Path]], Decoder]                  # the stage's inputs → its starting model
+# (the stage's inputs, how the stage holds each base weight: `base_placement` for a model config) → its starting model
+LoadModel = Callable[[dict[str, Path], Callable[[DecoderConfig], Placement]], Decoder]
 Evaluate = Callable[[Config, Decoder, object, Path], dict]        # (cfg, trained model, tokenizer, data dir)
 Batches = Callable[[StageData, Decoder, object], object]          # (data, model, runtime) → fit's data source
 
 
 def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage: str, load_model: LoadModel,
                   loss: Callable, evaluate: Evaluate, batches: Batches | None = None) -> dict:
-    """Train a fresh LoRA adapter (config section `cfg.<stage>`) on the model `load_model(inputs)` gives,
+    """Train a fresh LoRA adapter (config section `cfg.<stage>`) on the model `load_model(inputs, place)` gives,
     with `loss(model, batch) -> (loss, metrics)`; save it to `out_dir` and return the stage's metrics
     (`evaluate`'s under "eval" when eval.enabled). Batches come from the stage's token store, or from
     `batches(data, model, rt)` (the RL stage's rollouts of the model being trained). Under torchrun only rank 0
-    evaluates and saves."""
+    evaluates and saves. `place(config)` is how the stage will hold each base weight (model/lora.py
+    `base_placement`): SFT's loader streams the base onto the device in that form (its routed experts quantised as
+    they arrive under nf4); DPO's and RL's (model/adapters.py load_policy) still load it whole in fp32 on the CPU,
+    to merge the earlier adapters into."""
     tc = getattr(cfg, stage)
     rt = setup(cfg, tc.seed)            # seeds before the model is built: the adapter's init is reproducible
     data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
-    model = load_model(inputs)
+    model = load_model(inputs, lambda base: base_placement(base, tc.lora, _load_device(cfg, stage, rt),
+                                                         rt.dtype if rt.weights_in_compute_dtype else None))
     check_seq_len(tc.seq_len, model, stage)
     before = _mtp_before(cfg, stage, model, data, rt)
     loss = _mtp_training(cfg, stage, model, loss)
@@ -69,6 +75,12 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     return {**metrics, "trainable_params": model.num_params(True)}
 
 
+def _load_device(cfg: Config, stage: str, rt) -> torch.device:
+    """Where the base is loaded: the stage's device, but the CPU under FSDP2, whose sharding then moves each rank's
+    shard alone to its GPU (no GPU ever holds the whole base)."""
+    return torch.device("cpu") if rt.dist and dist.strategy_for(cfg, stage) == "fsdp2" else rt.device
+
+
 def _frozen_gemm_weights_in_compute_dtype(model: Decoder, rt) -> bool:
     """Where `rt.weights_in_compute_dtype` (CUDA under bf16/fp16 autocast), the base's frozen GEMM weights (linear
     layers, routed experts) are kept in the compute dtype, as a user loads such a model: every matmul already ran in
@@ -77,7 +89,8 @@ def _frozen_gemm_weights_in_compute_dtype(model: Decoder, rt) -> bool:
     "bf16 frozen base"). The adapter, modules_to_save, norms and embeddings stay fp32. Under FSDP2 this runs before
     fit() shards the model, so the frozen shards are half the size too: FSDP2 gathers a parameter already in its
     param_dtype as it is and needs one dtype among the trainable ones only (tests/engine/test_dist.py). Returns
-    whether it did (evaluation then runs under autocast too)."""
+    whether it did (evaluation then runs under autocast too). A base loaded as `base_placement` says arrives with
+    these weights in that dtype already: only the siblings' shared storage is then made here."""
     if not rt.weights_in_compute_dtype:
         return False
     cast_frozen_gemm_weights(model, rt.dtype)

@@ -12,5 +12,5 @@ from glm_lora.model.adapters import load_policy
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
-    return train_adapter(cfg, inputs, out_dir, stage="dpo", load_model=lambda i: load_policy(i["base"], i["sft"]),
+    return train_adapter(cfg, inputs, out_dir, stage="dpo", load_model=lambda i, _: load_policy(i["base"], i["sft"]),
                          loss=PreferenceLoss.of(cfg.dpo), evaluate=eval_preferences)

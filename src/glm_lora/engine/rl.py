@@ -26,7 +26,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, make_sampler: Calla
     made: list[Rollouts] = []
     samplers: list = []
 
-    def load(i: dict[str, Path]):
+    def load(i: dict[str, Path], _):
         policy = load_policy(i["base"], i["sft"], i["dpo"])
         samplers.append(make_sampler(cfg, policy, i["tokenizer"]) if make_sampler else None)
         return policy

@@ -11,5 +11,5 @@ from glm_lora.model.hf import load_native
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
-    return train_adapter(cfg, inputs, out_dir, stage="sft", load_model=lambda i: load_native(i["base"]),
+    return train_adapter(cfg, inputs, out_dir, stage="sft", load_model=lambda i, place: load_native(i["base"], place=place),
                          loss=causal_lm_loss, evaluate=eval_tasks)

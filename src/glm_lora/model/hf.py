@@ -18,19 +18,30 @@ L ≥ num_hidden_layers, `num_nextn_predict_layers` of them) are not part of our
 unchanged from import to export (`Decoder.carried`) so vLLM's speculative decoding can use them, unless a stage
 trains the MTP layer (model/mtp.py), which writes its merged weights back there.
 
+Import and loading go one tensor at a time (model/tensor_files.py), in the dtypes the checkpoint stores: the base
+model is never built in memory to import it (`import_hf`), nor loaded whole to train on it (`load_native` with a
+stage's `Placement`: docs/base-model.md, "Large bases").
+
 Safetensors only: nothing a user hands in is ever unpickled.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.nn as nn
+from safetensors.torch import save_file
 
+from glm_lora.artifacts.manifest import atomic_write_text
 from glm_lora.configs.errors import UserError, quote
-from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig
+from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig, shapes_only
+from glm_lora.model.quant import NF4Params
+from glm_lora.model.tensor_files import MAX_FILE_BYTES, TensorFiles, index_name, remove_tensors, write_tensors
 
 
 log = logging.getLogger("glm_lora.hf")
@@ -44,7 +55,9 @@ class BaseModelError(UserError, ValueError):
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
-NATIVE_WEIGHTS, NATIVE_CONFIG, NATIVE_CARRIED = "model.safetensors", "config.json", "carried.safetensors"
+# Our checkpoint: two tensor sets (model/tensor_files.py: `model.safetensors`, or `model-0000i-of-0000N.safetensors`
+# with an index; the same for `carried`, where there are carried tensors) and config.json.
+NATIVE_WEIGHTS, NATIVE_CARRIED, NATIVE_CONFIG = "model", "carried", "config.json"
 
 # Parameters of one decoder layer (model.layers.N.<name>), as transformers names them in each
 # architecture, and so do we: the map is the identity, written out per architecture.
@@ -152,17 +165,39 @@ def split_experts(name: str, stacked: torch.Tensor, cfg: DecoderConfig) -> dict[
 
 
 def stack_experts(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig, source: Path) -> torch.Tensor:
-    """The per-expert HF tensors of one stacked expert weight of ours, stacked (transformers' fused 3D key is
-    taken as it is); BaseModelError naming the first missing weight."""
-    if name in state:
-        return state.pop(name)
-    parts: dict[int, list[torch.Tensor]] = {}
-    for (hf, half), e in zip(expert_weight_names(cfg)[name], _expert_index(cfg, name)):
-        if hf not in state:
-            raise BaseModelError(f"{source}: weight {hf!r} missing from the safetensors files (config.json describes "
-                                 f"{cfg.n_routed_experts} routed experts in layer {name.split('.')[2]})")
-        parts.setdefault(e, []).append(state.pop(hf))
-    return torch.stack([torch.cat(parts[e], dim=0) for e in range(cfg.n_routed_experts)])
+    """The per-expert HF tensors of one stacked expert weight of ours, popped from `state` and stacked (transformers'
+    fused 3D key is taken as it is); BaseModelError naming the first missing weight."""
+    require_expert_weights(name, state, cfg, source)
+    return read_stacked_experts(name, cfg, state, state.pop)
+
+
+def require_expert_weights(name: str, present, cfg: DecoderConfig, source: Path) -> None:
+    """BaseModelError naming the first per-expert HF weight of our stacked `name` that `present` lacks (none
+    needed where it holds the fused key)."""
+    missing = None if name in present else next(
+        (hf for hf, _ in expert_weight_names(cfg)[name] if hf not in present), None)
+    if missing:
+        raise BaseModelError(f"{source}: weight {missing!r} missing from the safetensors files (config.json describes "
+                             f"{cfg.n_routed_experts} routed experts in layer {name.split('.')[2]})")
+
+
+def read_stacked_experts(name: str, cfg: DecoderConfig, present, read) -> torch.Tensor:
+    """Our stacked `name` (E, rows, cols) from `read(hf_name)`, each expert's tensor copied into the stack as it is
+    read (the stack is never built twice), in the dtype they are stored in (promoted where experts differ); the fused
+    3D key where `present` holds it, as it is."""
+    if name in present:
+        return read(name)
+    parts = expert_weight_names(cfg)[name]
+    out = None
+    for (hf, half), e in zip(parts, _expert_index(cfg, name)):
+        w = read(hf)
+        if out is None:
+            out = w.new_empty(cfg.n_routed_experts, w.shape[0] * (1 if half is None else 2), *w.shape[1:])
+        elif w.dtype != out.dtype:
+            out = out.to(torch.promote_types(out.dtype, w.dtype))
+        rows = slice(None) if half is None else slice(half * w.shape[0], (half + 1) * w.shape[0])
+        out[e, rows] = w
+    return out
 
 
 def _expert_index(cfg: DecoderConfig, name: str) -> list[int]:
@@ -444,59 +479,114 @@ def check_weights(path: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    files = check_weights(path)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
+class HFCheckpoint:
+    """A local HF model directory's weights under our names, checked against config.json by their names and shapes
+    before any is read: a missing weight, one the layout has no place for (e.g. a bias config.json does not declare),
+    a shape config.json does not describe, or a separate lm_head beside tie_word_embeddings=true that differs from the
+    embedding is refused naming the weight — transformers would drop or re-tie it. `weights()` then reads them one at
+    a time (the routed experts stacked as each stack is reached), in the dtype they are stored in, and `carried()`
+    GLM's MTP layers as they are. A context manager: the files stay open until it exits."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.cfg = read_hf_config(self.path)
+        try:
+            self.files = TensorFiles(check_weights(self.path))
+        except ValueError as e:         # one weight in two files: which one transformers would load is not ours to pick
+            raise BaseModelError(f"{e}; supported: each weight in one *.safetensors file of {self.path}") from None
+        try:
+            with shapes_only():
+                self.model = Decoder(self.cfg)      # on the meta device: the names and shapes to expect
+            self.carried_names = self._check()
+        except BaseException:
+            self.files.close()
+            raise
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.files.close()
+
+    def _check(self) -> list[str]:
+        """Everything that can be refused, from the files' headers (and the lm_head of a tied model); returns the
+        names of the MTP layers' tensors."""
+        path, cfg, files = self.path, self.cfg, self.files
+        experts, wmap = expert_weight_names(cfg), hf_weight_map(cfg)
+        for name in experts:
+            require_expert_weights(name, files, cfg, path)
+        for hf_name in wmap.values():
+            if hf_name not in files:
+                raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files "
+                                     f"(config.json describes a {HF_ARCHITECTURES[cfg.arch]})")
+        used = set(wmap.values())
+        shapes = dict(self.model.state_dict().items())
+        expected = {hf: tuple(shapes[ours].shape) for ours, hf in wmap.items()}
+        for name, parts in experts.items():
+            E, rows, cols = shapes[name].shape
+            if name in files:
+                expected[name] = (E, rows, cols)
+            else:
+                expected |= {hf: (rows if half is None else rows // 2, cols) for hf, half in parts}
+        for hf_name, want in expected.items():
+            if files.shape(hf_name) != want:
+                raise BaseModelError(f"{path}: weight {hf_name!r} has shape {files.shape(hf_name)}, config.json "
+                                     f"describes {want}")
+        used |= set(expected)
+        if cfg.tie_embeddings and "lm_head.weight" in files:
+            head, embed = files.get("lm_head.weight"), files.get("model.embed_tokens.weight")
+            dtype = torch.promote_types(head.dtype, embed.dtype)       # no copy where they share one
+            if head.shape != embed.shape or not torch.equal(head.to(dtype), embed.to(dtype)):
+                raise BaseModelError(f"{path / 'config.json'}: tie_word_embeddings=true, but the safetensors files hold "
+                                     "an lm_head.weight that differs from model.embed_tokens.weight; supported: "
+                                     "tie_word_embeddings=false with both weights, or true with equal (or no) "
+                                     "lm_head.weight")
+            used.add("lm_head.weight")
+        carried = [k for k in files if k.startswith("model.layers.") and int(k.split(".")[2]) >= cfg.num_layers]
+        if carried and not cfg.num_nextn_predict_layers:
+            raise BaseModelError(f"{path}: weight {min(carried)!r} belongs to layer {min(carried).split('.')[2]}, past "
+                                 f"num_hidden_layers {cfg.num_layers}, and config.json declares no "
+                                 "num_nextn_predict_layers (MTP layers) it could be")
+        used |= set(carried)
+        extra = sorted(k for k in files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+        if extra:
+            raise BaseModelError(f"{path}: weight {extra[0]!r} ({len(extra)} unexpected in all) has no place in the "
+                                 f"{HF_ARCHITECTURES[cfg.arch]} layout config.json describes (check attention_bias, "
+                                 "model_type and the layer count)")
+        return carried
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our name, tensor as stored) for each weight of our checkpoint (`native_weight_names`), one at a time."""
+        wmap, experts = hf_weight_map(self.cfg), expert_weight_names(self.cfg)
+        for name in native_weight_names(self.model):
+            if name in experts:
+                yield name, read_stacked_experts(name, self.cfg, self.files, self.files.get)
+            else:
+                yield name, self.files.get(wmap[name])
+
+    def carried(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """GLM-4.5's MTP layers (model.layers.L.* for L ≥ num_layers), as they are on disk."""
+        for name in self.carried_names:
+            yield name, self.files.get(name)
 
 
 def load_hf(path: Path) -> Decoder:
-    """A local HF directory of a supported architecture → our Decoder (fp32), via the weight map.
-
-    The weights must be exactly what config.json describes: a missing weight, one the layout has no
-    place for (e.g. a bias config.json does not declare), or a separate lm_head beside
-    tie_word_embeddings=true is refused naming the weight — transformers would drop or re-tie it.
-    GLM-4.5's MTP layers are carried (model.carried), not loaded into the forward.
-    """
-    path = Path(path)
-    cfg = read_hf_config(path)
-    state = _load_safetensors_dir(path)
-    model = Decoder(cfg)
-    ours = {name: stack_experts(name, state, cfg, path).float() for name in expert_weight_names(cfg)}
-    wmap = hf_weight_map(cfg)
-    for our_name, hf_name in wmap.items():
-        if hf_name not in state:
-            raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files "
-                                 f"(config.json describes a {HF_ARCHITECTURES[cfg.arch]})")
-        ours[our_name] = state[hf_name].float()
-    if cfg.tie_embeddings and "lm_head.weight" in state:
-        if not torch.equal(state["lm_head.weight"].float(), ours["model.embed_tokens.weight"]):
-            raise BaseModelError(f"{path / 'config.json'}: tie_word_embeddings=true, but the safetensors files hold an "
-                                 "lm_head.weight that differs from model.embed_tokens.weight; supported: "
-                                 "tie_word_embeddings=false with both weights, or true with equal (or no) lm_head.weight")
-        state.pop("lm_head.weight")
-    model.carried = _carried_layers(state, cfg, path)
-    extra = sorted(k for k in set(state) - set(wmap.values()) if not k.endswith(_IGNORED_SUFFIXES))
-    if extra:
-        raise BaseModelError(f"{path}: weight {extra[0]!r} ({len(extra)} unexpected in all) has no place in the "
-                             f"{HF_ARCHITECTURES[cfg.arch]} layout config.json describes (check attention_bias, "
-                             "model_type and the layer count)")
-    model.load_state_dict(ours, strict=not cfg.tie_embeddings)
-    return model
+    """A local HF directory of a supported architecture → our Decoder in fp32 on the CPU (references and tests;
+    the pipeline imports with `import_hf`, which never builds the model). Refused as HFCheckpoint says; GLM-4.5's MTP
+    layers are carried (model.carried), not loaded into the forward."""
+    with HFCheckpoint(path) as ckpt:
+        assign_weights(ckpt.model, ((n, t.float()) for n, t in ckpt.weights()), ckpt.path)
+        ckpt.model.carried = dict(ckpt.carried())
+        return ckpt.model
 
 
-def _carried_layers(state: dict[str, torch.Tensor], cfg: DecoderConfig, path: Path) -> dict[str, torch.Tensor]:
-    """Pop GLM-4.5's MTP layers (model.layers.L.* for L ≥ num_layers) from `state`, as they are on disk. Without
-    num_nextn_predict_layers in config.json they have no place (vLLM refuses such a model to start)."""
-    carried = {k: state.pop(k) for k in list(state) if k.startswith("model.layers.")
-               and int(k.split(".")[2]) >= cfg.num_layers}
-    if carried and not cfg.num_nextn_predict_layers:
-        raise BaseModelError(f"{path}: weight {min(carried)!r} belongs to layer {min(carried).split('.')[2]}, past "
-                             f"num_hidden_layers {cfg.num_layers}, and config.json declares no "
-                             "num_nextn_predict_layers (MTP layers) it could be")
-    return carried
+def import_hf(path: Path, out_dir: Path, max_file_bytes: int = MAX_FILE_BYTES) -> int:
+    """A local HF directory → our native checkpoint in `out_dir`, tensor by tensor in the dtypes stored (HFCheckpoint
+    checks it first): never more in memory than one output file's tensors (tensor_files.MAX_FILE_BYTES) and the one
+    being read. Returns the parameter count."""
+    with HFCheckpoint(path) as ckpt:
+        write_native(ckpt.cfg, ckpt.weights(), ckpt.carried(), out_dir, max_file_bytes)
+        return ckpt.model.num_params()
 
 
 def check_tokenizer_fits(path: Path, tokenizer_size: int) -> None:
@@ -542,28 +632,103 @@ def exported_carried(model: Decoder) -> dict[str, torch.Tensor]:
     return model.carried
 
 
-def save_native(model: Decoder, out_dir: Path) -> None:
-    """Our own checkpoint: full weights + the decoder config (readable with `cat`); an attached MTP layer
+def native_weight_names(model: Decoder) -> list[str]:
+    """What our checkpoint holds of `model`, in order: its state dict without the lm_head tied to the embedding and
+    without an attached MTP layer (stored into the carried tensors instead)."""
+    return [k for k in model.state_dict() if not k.startswith("mtp.")
+            and not (model.config.tie_embeddings and k == "lm_head.weight")]
+
+
+def write_native(cfg: DecoderConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                 carried: Iterable[tuple[str, torch.Tensor]], out_dir: Path, max_file_bytes: int = MAX_FILE_BYTES) -> None:
+    """Our checkpoint from (name, tensor) pairs as they come: the weights (`model`), the carried tensors (`carried`,
+    none: no file) — each one file or several of at most `max_file_bytes` (model/tensor_files.py) — and the decoder
+    config (readable with `cat`), written last: a directory without it is no checkpoint."""
+    out_dir = Path(out_dir)
+    write_tensors(out_dir, NATIVE_WEIGHTS, weights, max_file_bytes)
+    carried = iter(carried)
+    first = next(carried, None)
+    if first is not None:
+        write_tensors(out_dir, NATIVE_CARRIED, itertools.chain([first], carried), max_file_bytes)
+    else:
+        remove_tensors(out_dir, NATIVE_CARRIED)         # none now: none left from an earlier save either
+    atomic_write_text(out_dir / NATIVE_CONFIG, json.dumps(cfg.to_dict(), indent=2))
+
+
+def save_native(model: Decoder, out_dir: Path, max_file_bytes: int = MAX_FILE_BYTES) -> None:
+    """Our own checkpoint of `model` (see `write_native`), one tensor at a time to the CPU; an attached MTP layer
     (model/mtp.py) is stored into the carried tensors first."""
     from glm_lora.model import mtp      # model/mtp.py builds on this module
     if mtp.attached(model) is not None:
         mtp.store(model)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith(f"{mtp.MODULE}.")}
-    if model.config.tie_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, out_dir / NATIVE_WEIGHTS)
-    if model.carried:
-        save_file({k: v.contiguous() for k, v in model.carried.items()}, out_dir / NATIVE_CARRIED)
-    (out_dir / NATIVE_CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
+    state = model.state_dict()
+    write_native(model.config, ((k, state[k].detach().cpu()) for k in native_weight_names(model)),
+                 model.carried.items(), out_dir, max_file_bytes)
 
 
-def load_native(path: Path, device: str | torch.device = "cpu") -> Decoder:
+@dataclass(frozen=True)
+class Placement:
+    """Where `load_native` puts each weight and in which dtype: `dtypes` by name (absent: fp32; None: as stored) and
+    `nf4`, the routed-experts stacks it quantises to 4 bits (model/quant.py NF4Params) expert by expert on `device`,
+    so that no full-precision stack is ever built. A LoRA stage's: model/lora.py `base_placement`."""
+
+    device: torch.device = torch.device("cpu")
+    dtypes: Mapping[str, torch.dtype | None] = field(default_factory=dict)
+    nf4: frozenset[str] = frozenset()
+
+    def read(self, files: TensorFiles, name: str) -> tuple[str, torch.Tensor | NF4Params]:
+        if name in self.nf4:
+            experts = files.shape(name)[0]
+            return name, NF4Params.stacked((files.row(name, e).to(self.device) for e in range(experts)), experts)
+        return name, files.get(name).to(device=self.device, dtype=self.dtypes.get(name, torch.float32))
+
+
+def load_native(path: Path, device: str | torch.device = "cpu",
+                place: Callable[[DecoderConfig], Placement] | None = None) -> Decoder:
+    """Our checkpoint (either layout, model/tensor_files.py) → Decoder, built on the meta device and filled one
+    weight at a time straight onto its device, so no second copy of the model is ever made: fp32 on `device`, or as
+    `place(config)` says (a LoRA stage's frozen weights in the compute dtype, its routed experts quantised as they
+    arrive). The carried tensors stay on the CPU as stored."""
     path = Path(path)
     cfg = DecoderConfig.from_dict(json.loads((path / NATIVE_CONFIG).read_text()))
-    model = Decoder(cfg)
-    model.load_state_dict(load_file(path / NATIVE_WEIGHTS), strict=not cfg.tie_embeddings)
-    if (path / NATIVE_CARRIED).is_file():
-        model.carried = load_file(path / NATIVE_CARRIED)
-    return model.to(device)
+    placement = place(cfg) if place else Placement(torch.device(device))
+    with shapes_only():
+        model = Decoder(cfg)
+    names = native_weight_names(model)
+    with TensorFiles.of(path, NATIVE_WEIGHTS) as files:
+        if not len(files):
+            raise FileNotFoundError(f"{path}: no {NATIVE_WEIGHTS}.safetensors nor {index_name(NATIVE_WEIGHTS)}")
+        missing, extra = [n for n in names if n not in files], sorted(set(files) - set(names))
+        if missing or extra:
+            raise ValueError(f"{path}: weight {(missing or extra)[0]!r} {'missing from' if missing else 'unexpected in'}"
+                             f" the checkpoint ({len(missing)} missing, {len(extra)} unexpected; config.json "
+                             f"describes a {cfg.arch} of {cfg.num_layers} layers)")
+        assign_weights(model, (placement.read(files, n) for n in names), path)
+    with TensorFiles.of(path, NATIVE_CARRIED) as files:
+        model.carried = {k: files.get(k) for k in files}
+    return model
+
+
+def assign_weights(model: Decoder, weights: Iterable[tuple[str, torch.Tensor | nn.Module]], source: Path) -> None:
+    """Each (name, tensor) put into the shapes-only `model` in place of its meta tensor, as it comes (a routed-experts
+    stack may come as its 4-bit module); lm_head tied to the embedding where the config says so. A shape other than
+    the model's, or a weight left unassigned, is refused naming it."""
+    for name, value in weights:
+        owner, attr = name.rsplit(".", 1)
+        module = model.get_submodule(owner)
+        old = getattr(module, attr)
+        if tuple(value.shape) != tuple(old.shape):
+            raise ValueError(f"{source}: weight {name!r} has shape {tuple(value.shape)}, the model's is "
+                             f"{tuple(old.shape)}")
+        if isinstance(value, nn.Module):
+            delattr(module, attr)
+            setattr(module, attr, value)
+        elif attr in module._parameters:
+            module._parameters[attr] = nn.Parameter(value, requires_grad=old.requires_grad)
+        else:
+            module._buffers[attr] = value
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{source}: weight {left[0]!r} ({len(left)} in all) was never loaded")

@@ -33,12 +33,19 @@ from glm_lora.configs.errors import UserError
 from glm_lora.configs.schema import ALL_LINEAR, INDEXER_PROJECTIONS, LoRAConfig   # ALL_LINEAR: PEFT's "all-linear"
 from glm_lora.kernels.moe import ExpertLoRA
 from glm_lora.kernels.reference import NF4_BLOCK
-from glm_lora.model.model import MLP, Attention, Experts, Indexer, LatentAttention
+from glm_lora.model.hf import Placement
+from glm_lora.model.model import MLP, Attention, Decoder, DecoderConfig, Experts, Indexer, LatentAttention, shapes_only
 from glm_lora.model.quant import NF4Params, NF4Weight
 
 
 class LoRAConfigError(UserError, ValueError):
     """LoRA settings that don't fit the model (e.g. target modules a base model doesn't have)."""
+
+
+def adapter_dtype(base: torch.dtype) -> torch.dtype:
+    """The adapter's dtype over a base weight of dtype `base`: fp32 over a half-precision one (a LoRA stage may hold
+    its frozen base in the compute dtype from the moment it is loaded: `base_placement`), else the base's."""
+    return torch.float32 if base in (torch.bfloat16, torch.float16) else base
 
 
 class LoRALinear(nn.Module):
@@ -48,7 +55,7 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, quantization: str = "none"):
         super().__init__()
-        device, dtype = base.weight.device, base.weight.dtype
+        device, dtype = base.weight.device, adapter_dtype(base.weight.dtype)
         self.nf4_base = NF4Params.of(base.weight.detach()) if quantization == "nf4" else None
         self.weight = None if self.nf4_base is not None else base.weight.requires_grad_(False)
         self.bias = base.bias
@@ -152,7 +159,7 @@ class LoRAExperts(nn.Module):
         E, two_i, C = gate_up.shape
         sizes = {"gate_proj": (C, two_i // 2), "up_proj": (C, two_i // 2), "down_proj": (two_i // 2, C)}
         for p in projections:
-            setattr(self, p, ExpertAdapter(E, *sizes[p], r, gate_up.device, gate_up.dtype))
+            setattr(self, p, ExpertAdapter(E, *sizes[p], r, gate_up.device, adapter_dtype(gate_up.dtype)))
         self.r, self.alpha, self.scale, self.enabled = r, alpha, alpha / r, True
 
     def projections(self) -> list[str]:
@@ -277,7 +284,6 @@ def _plan(model: nn.Module, lora: LoRAConfig, section: str = "lora") -> tuple[li
 def check_lora(cfg, lora: LoRAConfig, section: str) -> None:
     """Before any training (engine/preflight.py): what inject_lora would refuse for a model of DecoderConfig
     `cfg`, refused now, naming `<section>.<key>` — built on the meta device (shapes only, no memory)."""
-    from glm_lora.model.model import Decoder, shapes_only
     with shapes_only():
         _plan(Decoder(cfg), lora, section)
 
@@ -354,6 +360,27 @@ def frozen_gemm_weights(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, (nn.Linear, LoRALinear, Experts))
             for p in (getattr(m, name, None) for name in ("weight", "gate_up_proj", "down_proj"))
             if isinstance(p, nn.Parameter) and not p.requires_grad]
+
+
+def base_placement(cfg: DecoderConfig, lora: LoRAConfig, device: torch.device,
+                   compute_dtype: torch.dtype | None) -> Placement:
+    """How a LoRA stage holds each base weight from the moment model/hf.py `load_native` reads it, as `inject_lora` and
+    `frozen_gemm_weights` decide on a shapes-only model of `cfg`: the frozen GEMM weights in `compute_dtype` (None:
+    fp32, see engine/adapter_stage.py), the weights inject_lora replaces by their 4-bit form as stored (quantising them
+    gives the bytes an fp32 copy would) — the routed-experts stacks among them quantised by the loader itself, expert by
+    expert — and the rest (norms, embeddings, what trains) fp32."""
+    with shapes_only():
+        model = Decoder(cfg)
+        before = dict(model.named_parameters(remove_duplicate=False))     # held: no id below is reused
+        stacks = {id(m.gate_up_proj) for m in model.modules() if type(m) is Experts} | {
+            id(m.down_proj) for m in model.modules() if type(m) is Experts}
+        inject_lora(model, lora)
+    kept = {id(p) for p in model.parameters()}
+    frozen = {id(p) for p in frozen_gemm_weights(model)} if compute_dtype is not None else set()
+    dtypes = {n: None if id(p) not in kept else compute_dtype if id(p) in frozen else torch.float32
+              for n, p in before.items()}
+    nf4 = frozenset(n for n, p in before.items() if id(p) in stacks and id(p) not in kept)
+    return Placement(torch.device(device), dtypes, nf4)
 
 
 def cast_frozen_gemm_weights(model: nn.Module, dtype: torch.dtype) -> None:

@@ -145,7 +145,10 @@ def main() -> None:
     stream = PackedBatches(src, iter(EpochSampler(len(src), seed=0)), rows=8, seq_len=seq_len)
     batches = [next(stream) for _ in range(args.max_warmup + args.steps)]
     wanted = [p for p in args.providers.split(",") if p] or list(PROVIDERS)
-    rows = {name: guarded(lambda: run(name, cfg, batches, args, device), device) for name in wanted}
+    rows = {}
+    for name in wanted:             # each provider's figures as soon as it ends (a time limit keeps what finished)
+        rows[name] = guarded(lambda: run(name, cfg, batches, args, device), device)
+        print("done", name, json.dumps({k: v for k, v in rows[name].items() if k != "profile"}), flush=True)
     ratios(rows, "hf_peft")
     for name, r in rows.items():
         print(name, json.dumps({k: r[k] for k in ("real_tokens_per_s", "step_ms_p20", "step_ms_p50", "step_ms_p80",

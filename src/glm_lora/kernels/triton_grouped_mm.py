@@ -254,8 +254,8 @@ def nf4_config(N: int, K: int, dtype: torch.dtype) -> dict:
     """`mm_config` for a 4-bit right operand: the dequantised tile lives in registers beside the accumulator, so
     at most 128 × 128 output tiles (H100 sweep in bench/RESULTS.md, "Mixture of experts at real scale")."""
     cfg = mm_config(N, K, dtype)
-    if not _INTERPRET and dtype != torch.float32:
-        cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 128), num_stages=min(cfg.get("num_stages", 3), 3))
+    if not _INTERPRET and dtype != torch.float32:      # 3 stages of 128-wide tiles pass an H100's shared memory
+        cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 128), BLOCK_K=64, num_stages=2)
     return cfg
 
 

@@ -95,9 +95,21 @@ def build(cfg: DecoderConfig, device: torch.device, experts: str, dtype: torch.d
 
 
 def run(cfg: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, batches: list[dict], device, args) -> dict:
+    """The figures, or where memory ran out (phase, what was allocated then and at most before)."""
+    phase = {"now": "build"}
+    try:
+        return _run(cfg, lora, tc, batches, device, args, phase)
+    except torch.OutOfMemoryError as e:
+        return {"error": f"OutOfMemoryError in {phase['now']}: {str(e).splitlines()[0][:240]}",
+                "allocated_gib_at_error": torch.cuda.memory_allocated() / GiB,
+                "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+
+
+def _run(cfg, lora, tc, batches, device, args, phase: dict) -> dict:
     t0 = time.perf_counter()
     cuda = device.type == "cuda"
     model = build(cfg, device, args.experts, torch.bfloat16 if cuda else torch.float32)
+    phase["now"] = "inject_lora"
     inject_lora(model, lora)
     for p in model.parameters():                # the adapter in fp32, as the stage makes it over an fp32 base
         if p.requires_grad:
@@ -111,6 +123,7 @@ def run(cfg: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, batches: list[dic
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     opt = build_optimizer(model, 2e-4, 0.0, fused=device.type == "cuda")
     step = train_step(lambda b: causal_lm_loss(model, b)[0], opt, device)
+    phase["now"] = f"training steps (weights and adapter {weights_gib:.1f} GiB)"
     with kernels.using("auto", "flex" if device.type == "cuda" else "sdpa"):
         res = timed_steps(step, batches, device, args.steps, max_warmup=args.max_warmup, max_measure_s=120)
     return {**res, "build_s": built_s, "weights_and_adapter_gib": weights_gib, "trainable_params": trainable}
@@ -151,7 +164,8 @@ def main() -> None:
     row["hf_qlora_bf16_experts_gib"] = hf_qlora_bf16_experts_gib(cfg)
     print(json.dumps({k: row[k] for k in ("real_tokens_per_s", "step_ms_p20", "step_ms_p50", "step_ms_p80",
                                           "peak_mem_gb", "weights_and_adapter_gib", "measured_vs_estimate",
-                                          "build_s", "trainable_params", "hf_qlora_bf16_experts_gib", "error")
+                                          "build_s", "trainable_params", "hf_qlora_bf16_experts_gib", "error",
+                                          "allocated_gib_at_error")
                       if k in row}))
     free(device)
     path = write_result(f"moe_scale_{shape}_{args.experts}" + ("_smoke" if smoke else ""), {

@@ -37,6 +37,7 @@ def _inputs(k, n, r, counts, dtype, seed=1):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_expert_is_quantised_as_a_linear_weight_alone(dtype):
+    from glm_lora.kernels.triton_nf4 import dequantize_nf4_stack
     w, q = _experts(128, 136, 3, dtype)
     assert q.packed.dtype == torch.uint8 and not any(p.is_floating_point() for p in q.parameters())
     for e in range(3):
@@ -45,6 +46,7 @@ def test_each_expert_is_quantised_as_a_linear_weight_alone(dtype):
         for field in ("packed", "absmax_codes", "nested_absmax", "offset", "code", "nested_code"):
             assert torch.equal(getattr(mine, field), getattr(alone, field)), (e, field)
         assert torch.equal(q.dequantize()[e], alone.dequantize())
+    assert torch.equal(dequantize_nf4_stack(q.stack(), torch.float32), q.dequantize(torch.float32))   # one Triton pass
     assert q.dequantize().dtype == dtype
 
 
@@ -61,9 +63,13 @@ def test_each_expert_dequantises_as_bitsandbytes_quantised_it():
         assert torch.equal(theirs.dequantize(), bnb.dequantize_4bit(packed, state))
 
 
+@pytest.mark.parametrize("mode", ["tile", "stack"])
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_lora_over_4bit_experts_matches_dequantise_then_loop(shape, dtype, monkeypatch):
+def test_lora_over_4bit_experts_matches_dequantise_then_loop(shape, dtype, mode, monkeypatch):
+    """tile: each weight tile dequantised in the GEMM; stack: the stack dequantised by the Triton kernel, then the
+    bf16 grouped GEMM (kernels.triton_grouped_mm.NF4_EXPERTS)."""
+    monkeypatch.setattr(tgm, "NF4_EXPERTS", mode)
     k, n, r, counts = SHAPES[shape]
     _, q = _experts(n, k, len(counts), dtype)
     stack = q.stack()
@@ -74,7 +80,8 @@ def test_lora_over_4bit_experts_matches_dequantise_then_loop(shape, dtype, monke
     check(lambda x, a, b: tgm.grouped_nf4_mm(x, stack, offsets, a, b, 1.5),
           lambda x, a, b: reference.grouped_nf4_mm(x, stack, offsets, a, b, 1.5), [x, a, b], TOL[dtype])
     # forward x Aᵀ then the 4-bit GEMM with the rank-r term folded in; backward dy B then dx through the 4-bit W
-    assert gemms == ["Tensor", "NF4Rhs", "Tensor", "NF4Rhs"]
+    w = "NF4Rhs" if mode == "tile" else "Tensor"
+    assert gemms == ["Tensor", w, "Tensor", w]
 
 
 _GEMM = tgm.grouped_gemm
@@ -89,8 +96,12 @@ def test_4bit_experts_without_lora_give_dx_only(shape):
           lambda x: reference.grouped_nf4_mm(x, q.stack(), offsets), [x], TOL[torch.float32])
 
 
-def test_the_kernel_reads_4_bits_not_a_dequantised_copy(monkeypatch):
-    """The Triton op never builds the full-precision stack: dequantising it is made to fail, and it still runs."""
+def test_the_tile_kernel_reads_4_bits_not_a_dequantised_copy(monkeypatch):
+    """In "tile" mode the Triton op never builds the full-precision stack: dequantising it is made to fail, and it
+    still runs."""
+    import glm_lora.kernels.triton_nf4 as tnf4
+    monkeypatch.setattr(tgm, "NF4_EXPERTS", "tile")
+    monkeypatch.setattr(tnf4, "dequantize_nf4_stack", lambda *_: pytest.fail("dequantised the whole stack"))
     _, q = _experts(80, 48, 5, torch.float32)
     x, a, b, offsets = _inputs(48, 80, 6, SHAPES["skewed"][3], torch.float32)
     expected = reference.grouped_nf4_mm(x, q.stack(), offsets, a, b, 2.0)

@@ -366,6 +366,22 @@ class GroupedLoRAMMFunction(torch.autograd.Function):
         return dx, dw, da, db, None, None
 
 
+# How the 4-bit experts reach the GEMM: "tile" dequantises each weight tile in the GEMM's registers (no full-size
+# weight ever exists); "stack" dequantises the whole stack into a temporary (one Triton pass, 2 bytes a weight) for the
+# bf16 grouped GEMM and frees it, again in the backward. Measured on an H100 (bench/RESULTS.md, "Mixture of experts at
+# real scale"): the GLM-4.5-style step with "tile" took 18.7× the bf16 experts' time (per-element scale gathers in
+# the tile loop), so "stack" is the default until the tile loop is rewritten.
+NF4_EXPERTS = "stack"
+
+
+def _nf4_rhs(w: NF4Stack, transposed: bool, dtype: torch.dtype):
+    if NF4_EXPERTS == "tile":
+        return NF4Rhs(w, transposed)
+    from glm_lora.kernels.triton_nf4 import dequantize_nf4_stack
+    full = dequantize_nf4_stack(w, dtype)
+    return full.transpose(1, 2) if transposed else full
+
+
 class GroupedNF4MMFunction(torch.autograd.Function):
     """x · Wᵍᵀ (+ s · (x Aᵍᵀ) Bᵍᵀ) with W a frozen 4-bit stack (not an autograd input): gradients to x, a, b."""
 
@@ -373,7 +389,8 @@ class GroupedNF4MMFunction(torch.autograd.Function):
     def forward(ctx, x, a, b, scale, offsets, w):
         lora = a is not None
         xa = grouped_gemm(x, a.transpose(1, 2), offsets) if lora else None
-        y = grouped_gemm(x, NF4Rhs(w, True), offsets, p=xa, q=b.transpose(1, 2) if lora else None, scale=scale)
+        y = grouped_gemm(x, _nf4_rhs(w, True, x.dtype), offsets, p=xa, q=b.transpose(1, 2) if lora else None,
+                         scale=scale)
         ctx.save_for_backward(x if lora else None, a, b, xa, offsets)
         ctx.scale, ctx.w = scale, w
         return y
@@ -384,7 +401,7 @@ class GroupedNF4MMFunction(torch.autograd.Function):
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
         G, s = ctx.w.shape[0], ctx.scale
         dyb = grouped_gemm(dy, b, offsets) if a is not None and (need_x or need_a) else None
-        dx = grouped_gemm(dy, NF4Rhs(ctx.w, False), offsets, p=dyb, q=a, scale=s) if need_x else None
+        dx = grouped_gemm(dy, _nf4_rhs(ctx.w, False, dy.dtype), offsets, p=dyb, q=a, scale=s) if need_x else None
         da = grouped_wgrad(dyb, x, offsets, G, s) if need_a else None
         db = grouped_wgrad(dy, xa, offsets, G, s) if need_b else None
         return dx, da, db, None, None, None

@@ -90,8 +90,11 @@ def test_vllm_serves_our_glm_export_and_its_adapter(tmp_path: Path, arch: str) -
             answer = ask(dep.url, name, MESSAGES, MAX_TOKENS, None)
             ids = answer["ids"][:-1] if answer["ids"] and answer["ids"][-1] in stops else answer["ids"]
             assert ids == expected[name], f"{name}: vLLM {ids} != ours {expected[name]}"
-            # vLLM's log-probs are the raw model's: the same numbers as ours, to fp32 noise
-            diff = (torch.tensor(answer["logprobs"][:len(ids)]) - _our_logprobs(model, tok, ids)).abs().max().item()
+            # vLLM's log-probs are the raw model's: the same numbers as ours, to fp32 noise (the stop token's too, so
+            # an answer that stops at once still compares one)
+            scored = answer["ids"][:len(answer["logprobs"])]
+            assert scored, f"{name}: vLLM returned no log-probs"
+            diff = (torch.tensor(answer["logprobs"][:len(scored)]) - _our_logprobs(model, tok, scored)).abs().max().item()
             print(f"{arch} {name}: {len(ids)} tokens equal to ours, log-prob max abs diff {diff:.1e}")
             assert diff < 1e-4
     finally:

@@ -1,5 +1,5 @@
-"""GPU only: LoRA over 4-bit routed experts (kernels.triton_grouped_mm.grouped_nf4_mm, each weight tile dequantised in
-registers) at real MoE sizes, bf16 and fp16, against the reference (the stack dequantised into the same dtype, then
+"""GPU only: LoRA over 4-bit routed experts (kernels.triton_grouped_mm.grouped_nf4_mm, in both NF4_EXPERTS modes: the
+stack dequantised in one pass, or each weight tile in registers) at real MoE sizes, bf16 and fp16, against the reference (the stack dequantised into the same dtype, then
 the per-expert loop in fp32), forward and every gradient; and the dequantised weights against the Triton
 dequantisation kernel expert by expert (the same numbers, bit for bit)."""
 import pytest
@@ -18,11 +18,13 @@ NF4_SHAPES = [s for s in SHAPES if s != "odd"] + ["odd_blocks"]
 SHAPES = {**SHAPES, "odd_blocks": (1000, 3, 7, 192, 300, 5)}       # 300 × 192: whole 64-blocks, odd tile edges
 
 
+@pytest.mark.parametrize("mode", ["stack", "tile"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", NF4_SHAPES)
-def test_lora_over_4bit_experts_matches_the_dequantised_loop(shape, dtype, monkeypatch):
+def test_lora_over_4bit_experts_matches_the_dequantised_loop(shape, dtype, mode, monkeypatch):
     import tests.gpu.test_grouped_mm_gpu as base
     monkeypatch.setattr(base, "SHAPES", SHAPES)
+    monkeypatch.setattr(tgm, "NF4_EXPERTS", mode)
     x, w, a, b, offsets = _inputs(shape, dtype)
     stack = NF4Params.stacked(w.detach().unbind(0), w.shape[0]).stack()
     dequantised = reference.dequantize_nf4_stack(stack, dtype)

@@ -52,7 +52,8 @@ def test_each_expert_is_quantised_as_a_linear_weight_alone(dtype):
 
 def test_each_expert_dequantises_as_bitsandbytes_quantised_it():
     bnb = pytest.importorskip("bitsandbytes.functional")
-    w, q = _experts(128, 136, 3, torch.bfloat16)    # 272 scale blocks an expert: below 256, bnb's CPU dequantize_4bit disagrees with its own quantize_4bit
+    # 272 scale blocks an expert: below 256, bnb's CPU dequantize_4bit disagrees with its own quantize_4bit
+    w, q = _experts(128, 136, 3, torch.bfloat16)
     for e in range(3):
         packed, state = bnb.quantize_4bit(w[e], blocksize=64, quant_type="nf4", compress_statistics=True)
         assert torch.equal(q.packed[e], packed.view(-1)) and torch.equal(q.expert(e).offset, state.offset)

@@ -53,7 +53,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     """Σ over each token's chosen experts e of weight · down_e(silu(gate_e x) · up_e x).
 
     x (N, C); experts, weights (N, k); gate_up (E, 2I, C) with [gate | up] rows; down (E, C, I); either may be a
-    frozen 4-bit stack (QLoRA: kernels.reference.NF4Stack, dequantised inside the grouped GEMM). Under autocast x
+    frozen 4-bit stack (QLoRA: kernels.reference.NF4Stack, dequantised for the grouped GEMM). Under autocast x
     is cast before it is gathered (the GEMMs take that dtype anyway: half the bytes moved) and the result is in it.
     """
     from glm_lora.kernels import ops as kernels

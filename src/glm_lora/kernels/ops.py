@@ -25,7 +25,7 @@ and 5632×2048, 1.25–1.65× at 2048² (two runs), for a quarter of its weight'
 grouped_mm / grouped_lora_mm (MoE experts: one weight per group of rows sorted by expert): the Triton grouped
 GEMM (kernels/triton_grouped_mm.py) on CUDA, the per-expert loop of the reference elsewhere; torch._grouped_mm
 is the alternative that `GROUPED_MM_AUTO` (below) can switch "auto" to. grouped_nf4_mm: the same over routed
-experts held in 4 bits (QLoRA on a mixture of experts), each weight tile dequantised inside the Triton GEMM.
+experts held in 4 bits (QLoRA on a mixture of experts), dequantised for the Triton GEMM (triton_grouped_mm.NF4_EXPERTS).
 
 Attention (config key `attention`), for packed rows: "sdpa" uses a dense document-causal bool mask;
 "flex" a FlexAttention block mask (no T×T mask, other documents' blocks skipped); "varlen" FlashAttention's
@@ -204,7 +204,8 @@ def grouped_lora_mm(x, w, a, b, scale, offsets):
 
 def grouped_nf4_mm(x, w, offsets, a=None, b=None, scale=1.0):
     """grouped_mm (with a, b: grouped_lora_mm) over a frozen 4-bit stack w (kernels.reference.NF4Stack): on CUDA each
-    tile of w is dequantised inside the GEMM; elsewhere w is dequantised whole, then the per-group loop."""
+    layer's stack is dequantised in one Triton pass for the grouped GEMM (or each tile inside it: NF4_EXPERTS); elsewhere
+    w is dequantised whole, then the per-group loop."""
     return _impl("grouped_nf4_mm", x)(x, w, offsets, a, b, scale)
 
 

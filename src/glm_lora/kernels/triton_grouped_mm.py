@@ -252,7 +252,8 @@ class NF4Rhs(NamedTuple):
 
 def nf4_config(N: int, K: int, dtype: torch.dtype) -> dict:
     """`mm_config` for a 4-bit right operand: the dequantised tile lives in registers beside the accumulator, so
-    at most 128 × 128 output tiles (H100 sweep in bench/RESULTS.md, "Mixture of experts at real scale")."""
+    at most 128 × 128 output tiles, and 2 pipeline stages (3 of 128 × 256 ask 256 KiB of shared memory; an H100 has
+    227: bench/RESULTS.md, "Mixture of experts at real scale")."""
     cfg = mm_config(N, K, dtype)
     if not _INTERPRET and dtype != torch.float32:      # 3 stages of 128-wide tiles pass an H100's shared memory
         cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 128), BLOCK_K=64, num_stages=2)
@@ -456,8 +457,8 @@ def grouped_lora_mm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.
 
 def grouped_nf4_mm(x: torch.Tensor, w: NF4Stack, offsets: torch.Tensor, a: torch.Tensor | None = None,
                    b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-    """`grouped_mm` / `grouped_lora_mm` over a 4-bit stack W (G, N, K) (kernels.reference.NF4Stack), each tile of W
-    dequantised in registers: no full-size weight is ever written. Same as `kernels.reference.grouped_nf4_mm`."""
+    """`grouped_mm` / `grouped_lora_mm` over a 4-bit stack W (G, N, K) (kernels.reference.NF4Stack), W dequantised as
+    `NF4_EXPERTS` says (the stack in one pass, or each tile in registers). Same as `kernels.reference.grouped_nf4_mm`."""
     cast, tensors = _autocast(*(t for t in (x, a, b) if t is not None))
     x, a, b = (tensors + [None, None])[:3]
     G, N, K = w.shape

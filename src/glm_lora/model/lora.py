@@ -16,9 +16,10 @@ name for a wrapped layer). The router (`mlp.gate`) stays frozen unless `modules_
 
 QLoRA (`quantization="nf4"`): each wrapped linear layer keeps its frozen base weight in 4 bits (model/quant.py
 NF4Params, `<path>.nf4_base`); it is rebuilt for each use (forward, backward, the adapter switched off, merge). Every
-routed-experts stack goes to 4 bits too (dequantised tile by tile inside the grouped GEMM). The 4-bit arrays are
-frozen integer parameters: FSDP2 shards and gathers them like any frozen weight; checkpoints (trainable tensors
-only) hold the adapter alone, and the 4-bit base is made again from the base weights wherever it is needed.
+routed-experts stack goes to 4 bits too (dequantised for the grouped GEMM: kernels/triton_grouped_mm.py). The
+4-bit arrays are frozen integer parameters: FSDP2 shards and gathers them like any frozen weight; checkpoints
+(trainable tensors only) hold the adapter alone, and the 4-bit base is made again from the base weights wherever it
+is needed.
 """
 from __future__ import annotations
 

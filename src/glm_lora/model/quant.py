@@ -163,8 +163,8 @@ class NF4Params(nn.Module):
             elif weight.shape != out.shape[1:]:
                 raise ValueError(f"NF4Params: expert {e} is {tuple(weight.shape)}, expert 0 {tuple(out.shape[1:])}")
             for name in _ARRAYS:
-                t = getattr(q, name)
-                getattr(out, name)[e] = _bits(t.reshape(1)) if name == "offset" else _bits(t) if t.is_floating_point() else t
+                t = q.offset.reshape(1) if name == "offset" else getattr(q, name)
+                getattr(out, name)[e] = _bits(t) if t.is_floating_point() else t
         if out is None or e + 1 != num_experts:
             raise ValueError(f"NF4Params: {0 if out is None else e + 1} expert weights given for {num_experts} experts")
         return out

@@ -16,7 +16,10 @@ Counted (a model of the base's layout on the meta device, so every parameter is 
   adapter         4 (fp32 weight) + 4 (gradient) + 8 (AdamW's two moments) = 16 bytes per trainable parameter
   activations     an estimate, not a count: tokens × layers × (34·C + 5·k·I_moe) × 2 bytes without activation
                   checkpointing (Korthikanti et al. 2022's 34·s·b·h per layer for attention + MLP, plus the
-                  routed experts' k gate/up/down rows), tokens × layers × C × 2 with it (one block recomputed);
+                  routed experts' k gate/up/down rows); with it, each block's saved inputs — the fp32 residual
+                  stream and the bf16 branch output, tokens × layers × C × 6 — plus one block's full activations
+                  (recomputed in the backward); nf4 routed experts add one projection's dequantised stack
+                  (2 bytes × E × 2I × C: kernels/triton_grouped_mm.py NF4_EXPERTS "stack");
                   latent attention (GLM-4.7-Flash, GLM-5) adds each head's expanded keys and values and their
                   gradients, 3·H·(qk_head_dim + v_head_dim) per token and layer; DSA's sparse path keeps each full
                   indexer layer's chosen key positions for the backward (index_topk × 8 bytes per token)
@@ -59,8 +62,11 @@ def lora_memory(layout: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, *, wor
     tokens = tc.batch_size * tc.seq_len
     k, inter = layout.num_experts_per_tok, layout.moe_intermediate_size
     mla = 3 * layout.num_heads * (layout.qk_head_dim + layout.v_head_dim) if layout.layout.mla else 0
-    per_token_layer = (layout.hidden_size if tc.activation_checkpointing
-                       else 34 * layout.hidden_size + 5 * k * inter + mla) * 2
+    block = (34 * layout.hidden_size + 5 * k * inter + mla) * 2                # one block's activations per token
+    layers = layout.num_layers
+    stored = (layers * layout.hidden_size * 6 + block) if tc.activation_checkpointing else layers * block
+    gate_up = layout.n_routed_experts * 2 * layout.moe_intermediate_size * layout.hidden_size
+    dequantised = 2 * gate_up if nf4 and experts else 0                       # the largest stack: gate_up's
     full_indexers = sum(t == "full" for t in layout.indexer_types) if tc.seq_len > layout.index_topk else 0
     in_blocks = {id(p) for block in model.model.layers for p in block.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_blocks]
@@ -69,7 +75,7 @@ def lora_memory(layout: DecoderConfig, lora: LoRAConfig, tc: TrainConfig, *, wor
            "routed_experts_of_those": held(experts),
            "gathered_blocks": 2 * largest_block + gathered(root) if sharded else 0,   # this block, the next, the root
            "adapter_and_optimizer": trainable * 16 / shard,
-           "activations_estimate": tokens * (layout.num_layers * per_token_layer + full_indexers * layout.index_topk * 8)}
+           "activations_estimate": tokens * (stored + full_indexers * layout.index_topk * 8) + dequantised}
     out["total"] = sum(v for k, v in out.items() if k != "routed_experts_of_those")
     return out
 

@@ -159,7 +159,8 @@ def bench(device: torch.device) -> list[dict]:
             rows.append(_provider_row({**info, "provider": name, "w_trains": False},
                                       lambda: measure(fn, (x, stack, a, b, offsets), [x, a, b], dy)))
         if shape in ("64e_top8_up", "smoke"):
-            for cfg in SWEEP:
+            sweep, nf4_sweep = (SWEEP, NF4_SWEEP) if cuda else (SWEEP[:1], NF4_SWEEP[:1])    # --smoke: one of each
+            for cfg in sweep:
                 row = {**info, "provider": "sweep", "config": cfg}
                 try:
                     tgm.grouped_gemm(x, w.transpose(1, 2), offsets, config=cfg)
@@ -169,7 +170,7 @@ def bench(device: torch.device) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            for cfg in NF4_SWEEP:
+            for cfg in nf4_sweep:
                 row = {**info, "provider": "nf4_sweep", "config": cfg}
                 rhs = tgm.NF4Rhs(stack, True)
                 try:

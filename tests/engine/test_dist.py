@@ -489,8 +489,7 @@ dist.end_rank(0)
 '''
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("float32", "nf4"),
-                                                ("bfloat16", "nf4")])
+@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "nf4")])
 def test_fsdp2_shards_the_routed_experts_and_matches_one_process(tmp_path, dtype, quantization):
     """A GLM-4.5-style MoE with LoRA on every projection under FSDP2 on two ranks: each rank holds half the
     experts (the stacked expert weights — with nf4 their 4-bit codes and scales — shard on the expert dim), and the

@@ -20,7 +20,7 @@ on CUDA may get an offset one ulp apart (another reduction order) and so a few s
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -80,9 +80,6 @@ class NF4Weight:
         flat = kernels.dequantize_nf4(self.packed, self.absmax_codes, self.nested_absmax, self.offset, self.code,
                                       self.nested_code, dtype or self.dtype)
         return flat.view(self.shape)
-
-    def to(self, device: torch.device | str) -> "NF4Weight":
-        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
 
     @property
     def device(self) -> torch.device:

@@ -49,6 +49,10 @@ def decoder(arch: str, seed: int, vocab: int = 50, max_seq_len: int = 48) -> Dec
     if LAYOUTS[arch].dsa:     # 16 indexer heads: with few, many keys score exactly 0 after the ReLU, and which of
         # such tied keys torch.topk keeps depends on the row's length (padding), as in transformers
         moe |= dict(index_topk=12, index_head_dim=16, index_n_heads=16, indexer_types=("full", "shared"))
+    if LAYOUTS[arch].linear_attention:     # one gated DeltaNet layer, one attention layer
+        moe |= dict(layer_types=("linear_attention", "full_attention"), head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    shared_expert_intermediate_size=32, first_k_dense_replace=0)
     model = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                                   intermediate_size=96, max_seq_len=max_seq_len, arch=arch, **moe))
     with torch.no_grad():           # larger weights than the init: peaked logits, answers that vary by prompt

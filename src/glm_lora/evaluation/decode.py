@@ -130,7 +130,7 @@ def _decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop: se
     buf = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for r, p in enumerate(prompts):
         buf[r, :len(p)] = torch.tensor(p)
-    cache = KVCache(width + max_new_tokens)
+    cache = KVCache(width + max_new_tokens, lengths=lens.clone())     # linear attention: where each prompt ends
     positions = torch.arange(width, device=device).expand(len(prompts), width)
     hidden = model.hidden_states(buf, positions, cache=cache)                       # (A, W, C)
     last = hidden[torch.arange(len(prompts), device=device), lens - 1]              # (A, C)
@@ -154,9 +154,12 @@ def decode_graph_pays(model) -> bool:
     """Whether sample_decode replays its decode step from a CUDA graph: on CUDA, for a dense model that is not
     sharded. A decode step is ~30 small kernels a layer, so launching them from Python bounds a small model's
     decoding (bench/RESULTS.md, "GRPO step vs TRL"); a graph launches them all at once. Not for FSDP2 (its forward
-    all-gathers) nor mixture-of-experts models (not measured)."""
+    all-gathers) nor mixture-of-experts or linear-attention models (not measured; the latter's cache replaces its
+    states each step, where a graph needs them updated in place)."""
     from torch.distributed.fsdp import FSDPModule
-    return model_device(model).type == "cuda" and not model.config.layout.moe and not isinstance(model, FSDPModule)
+    layout = model.config.layout
+    return (model_device(model).type == "cuda" and not layout.moe and not layout.linear_attention
+            and not isinstance(model, FSDPModule))
 
 
 class GraphedDecodeStep:

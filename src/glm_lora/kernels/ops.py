@@ -48,7 +48,7 @@ from typing import Iterator
 
 import torch
 
-from glm_lora.kernels import lora_group, moe, qlora, reference, varlen
+from glm_lora.kernels import delta_rule, flash_linear, lora_group, moe, qlora, reference, varlen
 
 BACKENDS = ("auto", "reference", "triton")
 ATTENTION = ("auto", "sdpa", "flex", "varlen")
@@ -128,6 +128,32 @@ def swiglu(gate, up):
 def swiglu_halves(gate_up):
     """swiglu of [gate | up] stacked on the last dim, read in place (no copies of the halves)."""
     return _impl("swiglu_halves", gate_up)(gate_up)
+
+
+def _flash_linear(x: torch.Tensor) -> bool:
+    """Gated DeltaNet on flash-linear-attention's kernels: on CUDA where it is installed, unless "reference"."""
+    return x.is_cuda and _BACKEND != "reference" and flash_linear.available()
+
+
+def causal_conv1d(x, weight, doc_ids=None):
+    """SiLU of gated DeltaNet's causal depthwise convolution, x (B, T, D), weight (D, K); each packed document's
+    window starts from zeros."""
+    if _flash_linear(x):
+        return flash_linear.causal_conv1d(x, weight, doc_ids)
+    if doc_ids is None:
+        return delta_rule.causal_conv1d(x, weight)[0]
+    docs = delta_rule.Documents(doc_ids)
+    return docs.join(delta_rule.causal_conv1d(docs.split(x), weight)[0])
+
+
+def gated_delta_rule(q, k, v, g, beta, doc_ids=None):
+    """The chunked gated delta rule's output (B, T, H, Dv) from a zero state; each packed document starts anew."""
+    if _flash_linear(q):
+        return flash_linear.gated_delta_rule(q, k, v, g, beta, doc_ids)
+    if doc_ids is None:
+        return delta_rule.gated_delta_rule(q, k, v, g, beta)[0]
+    docs = delta_rule.Documents(doc_ids)
+    return docs.join(delta_rule.gated_delta_rule(*(docs.split(t) for t in (q, k, v, g, beta)))[0])
 
 
 def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):

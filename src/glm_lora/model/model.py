@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from glm_lora.kernels import ops as kernels
+from glm_lora.kernels import delta_rule, ops as kernels
+from glm_lora.model.delta_net import GatedDeltaNet
 @dataclass(frozen=True)
 class Layout:
     """What one HF architecture's decoder layer has (names as in its transformers modeling file)."""
@@ -37,10 +38,16 @@ class Layout:
     moe: bool = False                    # layers ≥ first_k_dense_replace: routed + shared experts (MoE below)
     mla: bool = False                    # multi-head latent attention (LatentAttention below)
     dsa: bool = False                    # MLA reads only the keys its indexer selects (Indexer below)
+    linear_attention: bool = False       # layer_types: gated DeltaNet (model/delta_net.py) or full attention
+    gated_attention: bool = False        # q_proj also gives a per-head output gate: o_proj(y · sigmoid(gate))
+    zero_centered_norms: bool = False    # RMSNorm scales by 1 + weight (weights stored around zero)
+    router: str = "glm"                  # "glm": Router below; "softmax": SoftmaxRouter, a gated shared_expert
 
 
 _GLM = dict(attention_bias=True, partial_rotary_factor=0.5, variable=("attention_bias", "partial_rotary_factor"),
             fused_gate_up=True, rope_interleaved=True)   # transformers' GlmConfig/Glm4Config defaults
+_QWEN3_5 = dict(qk_norm=True, partial_rotary_factor=0.25, variable=("partial_rotary_factor",), linear_attention=True,
+                gated_attention=True, zero_centered_norms=True)
 LAYOUTS = {
     "llama": Layout(),
     "qwen2": Layout(attention_bias=True),                # Qwen2Attention: q/k/v bias always on
@@ -52,7 +59,10 @@ LAYOUTS = {
     "glm4_moe_lite": Layout(moe=True, mla=True, rope_interleaved=True, variable=("attention_bias",)),  # GLM-4.7-Flash
     "glm_moe_dsa": Layout(moe=True, mla=True, dsa=True, rope_interleaved=True,                        # GLM-5 / 5.1 / 5.2
                           variable=("attention_bias",)),
+    "qwen3_5_text": Layout(**_QWEN3_5),                                   # Qwen3.5 dense (Qwen3_5ForCausalLM)
+    "qwen3_5_moe_text": Layout(**_QWEN3_5, moe=True, router="softmax"),   # Qwen3.5 MoE (Qwen3_5MoeForCausalLM)
 }
+LAYER_TYPES = ("linear_attention", "full_attention")      # a hybrid layout's layers: gated DeltaNet or attention
 INDEXER_TYPES = ("full", "shared")      # a DSA layer runs its indexer, or reuses the previous full layer's choice
 
 
@@ -100,6 +110,17 @@ class DecoderConfig:
     index_head_dim: int = 0
     index_n_heads: int = 0
     indexer_types: tuple[str, ...] = ()
+    # Hybrid linear attention (layout.linear_attention; transformers' Qwen3_5TextConfig names): per layer,
+    # layer_types says gated DeltaNet ("linear_attention": linear_num_key/value_heads of linear_key/value_head_dim,
+    # a causal convolution of linear_conv_kernel_dim taps) or gated full attention. The MoE variant's shared expert
+    # is shared_expert_intermediate_size wide.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.arch not in LAYOUTS:
@@ -107,6 +128,8 @@ class DecoderConfig:
         layout = LAYOUTS[self.arch]
         if layout.mla:
             self._check_mla(layout)
+        if layout.linear_attention:
+            self._check_linear_attention()
         self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         for key in ("attention_bias", "partial_rotary_factor", "qk_norm"):
             if getattr(self, key) is None:
@@ -141,6 +164,20 @@ class DecoderConfig:
             raise ValueError(f"arch {self.arch} needs index_topk, index_n_heads, q_lora_rank ≥ 1 and index_head_dim ≥ "
                              "qk_rope_head_dim (the indexer reads the query latent and rotates its first dims)")
 
+    def _check_linear_attention(self) -> None:
+        self.layer_types = tuple(self.layer_types) or tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_layers))
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"layer_types needs one of {LAYER_TYPES} per layer ({self.num_layers}); "
+                             f"got {self.layer_types}")
+        heads = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
+        if min(getattr(self, k) for k in heads) < 1 or self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"arch {self.arch} needs {', '.join(heads)} ≥ 1, value heads a multiple of key heads")
+
+    def is_linear_attention_layer(self, i: int) -> bool:
+        return self.layout.linear_attention and self.layer_types[i] == "linear_attention"
+
     @property
     def layout(self) -> Layout:
         return LAYOUTS[self.arch]
@@ -157,13 +194,15 @@ class DecoderConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"indexer_types": list(self.indexer_types)}      # as JSON holds it
+        return asdict(self) | {"indexer_types": list(self.indexer_types),
+                               "layer_types": list(self.layer_types)}                # as JSON holds it
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderConfig":
         """Tolerant: unknown keys are dropped; checkpoints from before `arch` say `qk_norm` instead."""
         d = dict(d)
         d["indexer_types"] = tuple(d.get("indexer_types") or ())
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         if "arch" not in d:
             d["arch"] = "qwen3" if d.get("qk_norm") else "llama"
         known = {f.name for f in fields(cls)}
@@ -171,19 +210,29 @@ class DecoderConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`zero_centered` (Qwen3.5): the weight is stored around zero and the norm scales by 1 + weight, in fp32."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def scale(self) -> torch.Tensor:
+        return self.weight.float() + 1 if self.zero_centered else self.weight
 
     def forward(self, x, out_dtype: torch.dtype | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, out_dtype)
+        return kernels.rms_norm(x, self.scale(), self.eps, out_dtype)
 
     def add(self, x, residual, out_dtype: torch.dtype | None = None):
         """(x + residual, the norm of it), the residual stream's add fused into the norm; residual None: (x, norm)."""
         if residual is None:
             return x, self(x, out_dtype)
-        return kernels.add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
+        return kernels.add_rms_norm(x, residual, self.scale(), self.eps, out_dtype)
+
+
+def layout_norm(cfg: "DecoderConfig", dim: int) -> RMSNorm:
+    """The layout's RMSNorm over `dim` (zero-centred in Qwen3.5)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.layout.zero_centered_norms)
 
 
 def _matmul_input_dtype(x: torch.Tensor, read_once: bool) -> torch.dtype | None:
@@ -209,17 +258,21 @@ class KVCache:
     `position_ids`, and a new token attends to the slots up to its position. The first forward (the
     prompts, from position 0) attends as without a cache (plain causal); slots past a row's real length
     hold padding's keys until that row's next tokens overwrite them, and are masked until then.
+    Linear-attention layers (gated DeltaNet) keep each row's convolution window and state instead, which only
+    its real tokens advance: `lengths` (B,) says where each right-padded prompt ends (None: no padding).
     """
 
-    def __init__(self, slots: int):
-        self.slots, self.k, self.v = slots, [], []     # per layer: (B, Hkv, slots, D)
-        self.positions, self.prefill = None, True
+    def __init__(self, slots: int, lengths: torch.Tensor | None = None):
+        self.slots, self.k, self.v = slots, {}, {}     # per attention layer: (B, Hkv, slots, D)
+        self.positions, self.prefill, self.started = None, True, False
+        self.lengths = lengths
+        self.linear: dict[int, tuple] = {}              # per linear-attention layer: (window, state)
         self.index_keys: dict[int, torch.Tensor] = {}  # DSA: per full layer, its indexer's keys (B, slots, D)
         self.chosen: dict[int, torch.Tensor] = {}      # DSA: per full layer, this forward's key choice (B, 1, T, S)
 
     def start(self, position_ids: torch.Tensor):
         """Called once per forward: None while prefilling (causal), else the (B, 1, T, slots) bool mask."""
-        self.prefill, self.positions = not self.k, position_ids
+        self.prefill, self.started, self.positions = not self.started, True, position_ids
         self.chosen = {}
         if self.prefill:
             return None
@@ -227,10 +280,10 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, D) at this forward's positions; return what attention sees."""
-        if layer == len(self.k):     # each in the dtype attention reads it in: under autocast, q/k-normed keys (qwen3)
+        if layer not in self.k:     # each in the dtype attention reads it in: under autocast, q/k-normed keys (qwen3)
             # come out of the fp32 RMSNorm, values in bf16; CUDA attention casts both to bf16 (the CPU's stays fp32)
-            self.k.append(k.new_zeros(*k.shape[:2], self.slots, k.shape[-1], dtype=_attention_dtype(k)))
-            self.v.append(v.new_zeros(*v.shape[:2], self.slots, v.shape[-1], dtype=_attention_dtype(v)))
+            self.k[layer] = k.new_zeros(*k.shape[:2], self.slots, k.shape[-1], dtype=_attention_dtype(k))
+            self.v[layer] = v.new_zeros(*v.shape[:2], self.slots, v.shape[-1], dtype=_attention_dtype(v))
         at = self.positions[:, None, :, None]
         self.k[layer].scatter_(2, at.expand(-1, k.shape[1], -1, k.shape[-1]), k.to(self.k[layer].dtype))
         self.v[layer].scatter_(2, at.expand(-1, v.shape[1], -1, v.shape[-1]), v.to(self.v[layer].dtype))
@@ -242,6 +295,20 @@ class KVCache:
             self.index_keys[layer] = k.new_zeros(k.shape[0], self.slots, k.shape[-1])
         self.index_keys[layer].scatter_(1, self.positions[..., None].expand(-1, -1, k.shape[-1]), k)
         return k if self.prefill else self.index_keys[layer]
+
+    def delta_net(self, layer: int, qkv, weight, g, beta, heads) -> torch.Tensor:
+        """A gated DeltaNet layer's sequence mixing (model/delta_net.py) from its saved window and state, which it
+        advances: the prompts' padding leaves both as the row's last real token left them (no decay, no write)."""
+        window, state = self.linear.get(layer, (None, None))
+        lengths = self.lengths if self.prefill else None
+        if lengths is not None:
+            real = (self.positions < lengths[:, None])[..., None]
+            g, beta = g * real, beta * real
+        y, window = delta_rule.causal_conv1d(qkv, weight, window, lengths)
+        rule = delta_rule.gated_delta_rule if qkv.shape[1] > 1 else delta_rule.gated_delta_rule_recurrent
+        o, state = rule(*heads(y), g, beta, state)
+        self.linear[layer] = (window, state)
+        return o
 
 
 def stacks(x: torch.Tensor, *linears: nn.Module) -> bool:
@@ -279,14 +346,15 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx                  # its slot in a KVCache
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.interleaved = cfg.layout.rope_interleaved
+        self.gated = cfg.layout.gated_attention      # Qwen3.5: q_proj gives each head [query | gate]
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = layout_norm(cfg, cfg.head_dim)
+            self.k_norm = layout_norm(cfg, cfg.head_dim)
 
     def siblings(self) -> tuple[nn.Module, ...]:
         """The projections of x, one op where they `stacks` (model.lora lays their frozen weights out for it)."""
@@ -298,7 +366,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
         B, T, _ = x.shape
         q, k, v = project(x, *self.siblings())
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)                # (B, H, T, D)
+        gate = None
+        if self.gated:
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)             # (B, H, T, D)
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)                   # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
@@ -306,8 +378,17 @@ class Attention(nn.Module):
         q, k = kernels.apply_rope(q, k, cos, sin, interleaved=self.interleaved)
         if cache is not None:                   # decoding: the keys/values of every position so far
             k, v = cache.update(self.layer_idx, k, v)
-        y = kernels.attention(q, k, v, mask)                                            # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))                     # (B, T, C)
+        y = kernels.attention(q, k, v, mask).transpose(1, 2).reshape(B, T, -1)         # (B, T, H·D)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
+        return self.o_proj(y)                                                        # (B, T, C)
+
+
+class HybridMask(NamedTuple):
+    """What the layers of a hybrid layout (layer_types) read besides their input: the attention layers' mask, and the
+    packed rows' documents (None: one per row) at whose boundaries the linear-attention layers reset."""
+    attention: object
+    doc_ids: torch.Tensor | None
 
 
 def longest_document(doc_ids: torch.Tensor) -> int:
@@ -557,6 +638,27 @@ class Experts(nn.Module):
         return kernels.moe_experts(x, experts, weights, *self.operands())
 
 
+class SoftmaxRouter(nn.Module):
+    """Qwen's router (Qwen3_5MoeTopKRouter): softmax over the experts in fp32, the top-k chosen, their probabilities
+    renormalised to sum to one."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.stats: dict | None = None           # as Router's
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x, self.weight).float().softmax(-1)                       # (N, E)
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.training:
+            self.stats = {"experts": experts.detach(), "scores": scores}
+        return experts, weights / weights.sum(-1, keepdim=True)
+
+
+ROUTERS = (Router, SoftmaxRouter)
+
+
 class MoE(nn.Module):
     """Routed experts (each token's top-k, weighted) plus the shared expert every token goes through."""
 
@@ -576,6 +678,25 @@ class MoE(nn.Module):
         return self.experts(flat, experts, weights).view(B, T, C) + self.shared_experts(x)
 
 
+class GatedSharedMoE(MoE):
+    """Qwen's mixture (Qwen3_5MoeSparseMoeBlock): SoftmaxRouter's routed experts plus one shared_expert whose output
+    is scaled by sigmoid(shared_expert_gate(x)), a learned per-token gate."""
+
+    def __init__(self, cfg: DecoderConfig):
+        nn.Module.__init__(self)
+        self.gate = SoftmaxRouter(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        experts, weights = self.gate(flat)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(flat, experts, weights).view(B, T, C) + shared
+
+
 # Compiled (engine/compile.py) on CUDA, each block is cut into two graphs before its MLP: inductor's single graph over
 # the whole stack ran the 125M pretraining step 1.15x slower (H100, torch 2.11: 43.1 vs 37.4 ms a step, bench/RESULTS.md
 # "One graph or two per block"). The CPU's compiled LoRA step was measured as one graph and stays one.
@@ -585,10 +706,14 @@ COMPILE_SPLITS_BLOCKS = {"cuda": True, "cpu": False}
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LatentAttention(cfg, layer_idx) if cfg.layout.mla else Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # (pre-MLP, despite its name)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        self.input_layernorm = layout_norm(cfg, cfg.hidden_size)
+        if cfg.is_linear_attention_layer(layer_idx):
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = LatentAttention(cfg, layer_idx) if cfg.layout.mla else Attention(cfg, layer_idx)
+        self.post_attention_layernorm = layout_norm(cfg, cfg.hidden_size)   # (pre-MLP, despite its name)
+        moe = GatedSharedMoE if cfg.layout.router == "softmax" else MoE
+        self.mlp = moe(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         if cfg.layout.sandwich_norms:   # GLM-4-0414: each branch's output is normalised before the residual add
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -596,8 +721,13 @@ class Block(nn.Module):
     def forward(self, x, h, cos, sin, mask, cache: KVCache | None = None):
         """x: the residual stream; h: the previous block's output, not yet added to it (None before the first).
         Returns the same pair: each residual add runs inside the RMSNorm that reads the sum (kernels.add_rms_norm)."""
-        x, n = self.input_layernorm.add(x, h, _matmul_input_dtype(x, self.self_attn.reads_input_once(x)))
-        h = self.self_attn(n, cos, sin, mask, cache)
+        linear = hasattr(self, "linear_attn")
+        mixer = self.linear_attn if linear else self.self_attn
+        x, n = self.input_layernorm.add(x, h, _matmul_input_dtype(x, mixer.reads_input_once(x)))
+        if linear:
+            h = self.linear_attn(n, mask.doc_ids, cache)
+        else:           # a hybrid layout's attention layers read their part of the mask (HybridMask)
+            h = self.self_attn(n, cos, sin, mask.attention if isinstance(mask, HybridMask) else mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
             h = self.post_self_attn_layernorm(h)
         if COMPILE_SPLITS_BLOCKS.get(x.device.type, False) and torch.compiler.is_compiling():
@@ -659,7 +789,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = layout_norm(cfg, cfg.hidden_size)
 
 
 _INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_", "kaiming_normal_",
@@ -706,7 +836,7 @@ class Decoder(nn.Module):
 
     @staticmethod
     def _init_weights(m: nn.Module):
-        if isinstance(m, (nn.Linear, nn.Embedding, Router)):
+        if isinstance(m, (nn.Linear, nn.Embedding) + ROUTERS):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)                          # as transformers initialises q/k/v biases
@@ -743,6 +873,10 @@ class Decoder(nn.Module):
         cfg = self.config
         cos, sin = kernels.rope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta,
                                         interleaved=cfg.layout.rope_interleaved)
+        if cfg.layout.linear_attention:
+            mask = cache.start(position_ids) if cache is not None else (
+                None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs))
+            return cos, sin, HybridMask(mask, doc_ids if cache is None else None)
         if cache is not None:
             return cos, sin, cache.start(position_ids)
         if cfg.layout.dsa and self.sparse_attention_pays(position_ids.shape[1], doc_ids, prefix_docs):

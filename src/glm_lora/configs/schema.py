@@ -24,7 +24,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj",
                 "experts.gate_proj", "experts.up_proj", "experts.down_proj",
                 # multi-head latent attention (glm4_moe_lite, glm_moe_dsa): the query latent, the key / value latent
-                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                # gated DeltaNet (qwen3_5_text, qwen3_5_moe_text): its input projections and output; Qwen's shared expert
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 # GLM-5's DSA indexer projections: frozen (they only choose keys, without gradients), never a target.
 INDEXER_PROJECTIONS = ("wq_b", "wk", "weights_proj")
 ALL_LINEAR = "all-linear"   # PEFT's term: every linear projection of the layout (not the output head)
@@ -203,7 +206,8 @@ class LoRAConfig(Section):
                                 "model must have them (gate_up_proj exists only in the GLM layouts, gate_proj and "
                                 "up_proj only in the others; shared_experts.* and experts.* only in mixture-of-"
                                 "experts models; q_a_proj, q_b_proj, kv_a_proj_with_mqa and kv_b_proj only with "
-                                "latent attention, GLM-4.7-Flash and GLM-5): checked when the adapter is added. "
+                                "latent attention, GLM-4.7-Flash and GLM-5; in_proj_* and out_proj only in Qwen3.5's "
+                                "gated DeltaNet layers, shared_expert.* in its MoE): checked when the adapter is added. "
                                 "GLM-5's DSA indexer is never adapted.")
     b_lr_ratio: float = Field(1.0, gt=0, description="LoRA+: the B matrices' learning rate is this × lr; 1: plain "
                                                      "LoRA.")

@@ -14,7 +14,7 @@ bf16 autocast, adapter fp32, fused AdamW lr 2e-4, gradient checkpointing on both
 16k-token step needs it in transformers).
 
 Providers:
-  hf_peft      Qwen3_5ForCausalLM, bf16 weights, flex_attention, PEFT LoRA, gradient checkpointing
+  hf_peft      Qwen3_5ForCausalLM, bf16 weights, sdpa, PEFT LoRA, gradient checkpointing
                (use_reentrant False), with flash-linear-attention installed: transformers then runs fla's
                chunk_gated_delta_rule (which function each hook resolved to is recorded: `hf_kernels`). Packing: the
                padding-free path of DataCollatorWithFlattening(return_flash_attn_kwargs=True): the 8 rows flattened
@@ -163,7 +163,7 @@ def hf_peft(cfg: DecoderConfig, device):
     torch.manual_seed(0)
     cuda = device.type == "cuda"
     with torch.device(device):
-        attn = "flex_attention" if cuda else "sdpa"
+        attn = "sdpa"       # transformers 5.17 refuses flex_attention for Qwen3_5ForCausalLM
         base = Qwen3_5ForCausalLM._from_config(hf_config(cfg, attn), attn_implementation=attn,
                                                dtype=torch.bfloat16 if cuda else torch.float32).train()
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -649,6 +649,85 @@ def test_a_glm5_dsa_base_trains_on_the_sparse_path_exports_and_is_refused_servin
     assert states == {s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
 
 
+def _qwen35_base(path: Path, moe: bool) -> tuple[Path, dict]:
+    """A tiny random Qwen3.5 as released: the multimodal wrapper (Qwen3_5ForConditionalGeneration, a one-block
+    vision tower, an `mtp.*` tensor beside it) with gated DeltaNet layers around a gated attention layer; `moe`: the
+    text-only Qwen3_5MoeForCausalLM (4 experts top-2 plus the gated shared expert). A Qwen3 chat template.
+    Returns the directory and the tensors every export must carry unchanged (vision tower, MTP)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from glm_lora.data.tokenizer import load_tokenizer
+    from tests.chat_templates import build_tokenizer
+    build_tokenizer(path, "qwen3")
+    tok = load_tokenizer(path)
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                layer_types=["linear_attention", "full_attention", "linear_attention"], max_position_embeddings=512,
+                initializer_range=0.1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    if moe:
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
+    else:
+        model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+            text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                                                 patch_size=4, num_position_embeddings=16, out_hidden_size=64)))
+    model.save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    carried = {k: v for k, v in weights.items() if k.startswith("model.visual.")}
+    carried["mtp.fc.weight"] = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    save_file({**weights, **carried}, path / "model.safetensors", metadata={"format": "pt"})
+    return path, carried
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_a_qwen35_base_on_user_files_runs_the_dag_exports_as_it_came_and_reruns_cached(dag, tmp_path, moe):
+    """Qwen3.5 (gated DeltaNet beside gated attention; the MoE variant): a tiny random one on user files goes through
+    import → LoRA SFT → DPO (every projection, the linear-attention ones included) → export. The export is the class
+    it came as — the multimodal wrapper with its vision tower and MTP tensors unchanged — and loads in transformers
+    with our logits; the DPO adapter loads with PEFT's one-liner with our logits. vLLM's CPU build cannot load
+    Qwen3.5, so serving is refused before anything trains; a second run comes from cache."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
+    from glm_lora.model.adapters import load_policy
+    sft, dpo = _user_files(tmp_path)
+    base, carried = _qwen35_base(tmp_path / "qwen35-base", moe)
+    name = "qwen35moe-user" if moe else "qwen35-user"
+    overrides = {**dag["overrides"], "run_name": name, "base_model": str(base), "data.sft": str(sft),
+                 "data.dpo": str(dpo), "sft.max_steps": 4 if moe else 8, "dpo.max_steps": 2 if moe else 3,
+                 "sft.lora.modules_to_save": [], "export.gguf": []}
+    run_dir = Path(overrides["runs_dir"]) / name
+    if not moe:
+        from glm_lora.flows.glm_lora import glm_lora
+        refused = glm_lora(config="tiny", overrides=overrides, return_state=True)
+        assert refused.is_failed() and "torchvision" in refused.message
+        assert not (run_dir / "sft").exists()                                    # refused before anything trained
+    overrides["serve.enabled"] = False
+    _, states = _run(overrides)
+    assert states == {s: "Completed" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+    export = run_dir / "export"
+    config = json.loads((export / "merged" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForConditionalGeneration"]
+    merged = load_file(export / "merged" / "model.safetensors")
+    assert all(torch.equal(merged[k], v) for k, v in carried.items())           # vision tower, MTP: carried unchanged
+    adapter = load_file(export / "adapters" / "dpo" / "adapter_model.safetensors")
+    assert any(".linear_attn.in_proj_qkv.lora_B" in k for k in adapter) and any(".out_proj.lora_A" in k for k in adapter)
+    theirs = (AutoModelForCausalLM if moe else AutoModelForImageTextToText).from_pretrained(
+        export / "merged", dtype=torch.float32).eval()
+    ours = load_policy(run_dir / "import_base", run_dir / "sft", run_dir / "dpo").eval()
+    x = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(input_ids=x).logits - ours(x)).abs().max().item() < 1e-4
+    if not moe:
+        proc = _load_dpo_adapter(export, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert float(proc.stdout.split("MAXDIFF")[1].split()[0]) < 1e-4
+    _, states = _run(overrides)
+    assert states == {s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+
+
 def test_the_rl_stage_trains_after_dpo_is_exported_on_dpo_merged_served_and_reruns_cached(dag, tmp_path):
     """rl.enabled (a run of its own, short): GRPO trains its adapter after DPO (rewards and sampled answers in the
     UI), the export's final model holds it (merged/ = dpo_merged/ + the RL adapter, which PEFT's one-liner loads),

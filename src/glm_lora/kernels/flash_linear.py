@@ -19,6 +19,14 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def backward_ok() -> bool:
+    """fla 0.6 refuses its gated chunk backward on Hopper under Triton ≥ 3.4, < 3.7.1 (wrong results upstream, its
+    issue #640) — torch 2.11's Triton 3.6 on an H100: there a step that needs gradients takes the reference."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    return not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+
+
 def cu_seqlens(doc_ids: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
     """Where each sequence starts in the flattened (1, B·T) rows, and the end: rows, or documents within rows."""
     if doc_ids is None:

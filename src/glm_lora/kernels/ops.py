@@ -148,7 +148,8 @@ def causal_conv1d(x, weight, doc_ids=None):
 
 def gated_delta_rule(q, k, v, g, beta, doc_ids=None):
     """The chunked gated delta rule's output (B, T, H, Dv) from a zero state; each packed document starts anew."""
-    if _flash_linear(q):
+    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if _flash_linear(q) and (not needs_backward or flash_linear.backward_ok()):
         return flash_linear.gated_delta_rule(q, k, v, g, beta, doc_ids)
     if doc_ids is None:
         return delta_rule.gated_delta_rule(q, k, v, g, beta)[0]

@@ -59,6 +59,12 @@ def run_delta(backend, q, k, v, g, beta, doc_ids=None):
         return kernels.gated_delta_rule(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta, doc_ids)
 
 
+def require_fla_backward():
+    if not flash_linear.backward_ok():
+        pytest.skip("fla refuses its gated backward on this GPU and Triton (Hopper, Triton < 3.7.1): training takes "
+                    "the reference's there (kernels/flash_linear.py backward_ok)")
+
+
 def grads_of(out, inputs, cot):
     return torch.autograd.grad(out, inputs, cot)
 
@@ -89,11 +95,14 @@ def packed_doc_ids(B, T, lengths_per_row):
                                               (3, 5, 2, 2, 64, 64)])        # shorter than a chunk
 def test_gated_delta_rule_matches_the_reference(dtype, B, T, Hk, Hv, Dk, Dv):
     q, k, v, g, beta = delta_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=T)
-    out = run_delta("auto", q, k, v, g, beta)
     ref_in = upcast(q, k, v, g, beta)
     ref = run_delta("reference", *ref_in)
-    assert out.dtype == dtype and out.shape == (B, T, Hv, Dv)
     out_tol, grad_tol = TOL[dtype]
+    with torch.no_grad():                        # no gradient asked: fla's forward on every GPU
+        assert_rel(run_delta("auto", q, k, v, g, beta).float(), ref, out_tol, "o (fla forward)")
+    require_fla_backward()
+    out = run_delta("auto", q, k, v, g, beta)
+    assert out.dtype == dtype and out.shape == (B, T, Hv, Dv)
     assert_rel(out.float(), ref, out_tol, "o")
     cot = torch.randn(out.shape, generator=gen(1), device="cuda")
     got = grads_of(out, (q, k, v, g, beta), cot.to(dtype))
@@ -112,6 +121,16 @@ def test_packed_documents_each_run_as_if_alone(dtype):
     lengths = [[1, 63, 65, 130, 300], [257, 200, 99]]          # row 0 ends with 41 padding tokens, row 1 with 44
     doc = packed_doc_ids(B, T, lengths)
     q, k, v, g, beta = delta_inputs(B, T, Hk, Hv, D, D, dtype, seed=7, slow_decay=True)
+    with torch.no_grad():                        # fla's forward with cu_seqlens on every GPU: each document alone
+        fwd = run_delta("auto", q, k, v, g, beta, doc)
+        for b, row in enumerate(lengths):
+            s = 0
+            for L in row:
+                alone = run_delta("auto", *(t[b:b + 1, s:s + L] for t in (q, k, v, g, beta)))
+                assert_rel(fwd[b:b + 1, s:s + L].float(), alone.float(), 1e-3 if dtype == torch.float32 else 1e-2,
+                           f"forward row {b} doc at {s} (len {L}) vs alone")
+                s += L
+    require_fla_backward()
     out = run_delta("auto", q, k, v, g, beta, doc)
     cot = torch.randn(out.shape, generator=gen(2), device="cuda").to(dtype)
     got = grads_of(out, (q, k, v, g, beta), cot)

@@ -1,12 +1,14 @@
 """The glm-lora decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, mixture of experts — readable in
 one sitting.
 
-One decoder, eight Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
+One decoder, ten Hugging Face layouts (`DecoderConfig.arch`, see LAYOUTS): Llama, Qwen2 (q/k/v bias),
 Qwen3 (q/k RMSNorm), GLM (q/k/v bias, fused gate_up_proj, GLM's interleaved partial RoPE), GLM-4-0414
 (GLM plus a norm on each branch's output), GLM-4.5 (glm4_moe: after `first_k_dense_replace` dense layers,
 each MLP is a mixture of routed experts plus shared experts; partial RoPE in halves, optional q/k norm),
-GLM-4.7-Flash (glm4_moe_lite: GLM-4.5's experts under multi-head latent attention, MLA) and GLM-5
-(glm_moe_dsa: MLA whose queries each attend only to the keys DeepSeek sparse attention's indexer picks).
+GLM-4.7-Flash (glm4_moe_lite: GLM-4.5's experts under multi-head latent attention, MLA), GLM-5
+(glm_moe_dsa: MLA whose queries each attend only to the keys DeepSeek sparse attention's indexer picks) and
+Qwen3.5 (qwen3_5_text, qwen3_5_moe_text: gated DeltaNet linear-attention layers, model/delta_net.py, beside gated
+full attention, per `layer_types`; zero-centred norms; the MoE variant routes by softmax beside a gated shared expert).
 Module names follow transformers' classes of that layout exactly (model.layers.N.self_attn.q_proj,
 ...mlp.gate_up_proj, ...mlp.experts.gate_up_proj, ...) so the weight map in model/hf.py is one explicit list
 per architecture and PEFT adapter keys line up.

@@ -286,6 +286,12 @@ def kernel_bench(cfg: DecoderConfig, batch: dict, device, compile_reference: boo
             torch.autograd.grad(o, inputs, cot)
         return f
 
+    def delta_forward(backend):
+        def f():
+            with torch.no_grad(), kernels.using(backend, "auto"):
+                kernels.gated_delta_rule(*inputs, doc_ids)
+        return f
+
     def conv(backend):
         def f():
             with kernels.using(backend, "auto"):
@@ -303,7 +309,10 @@ def kernel_bench(cfg: DecoderConfig, batch: dict, device, compile_reference: boo
         torch.autograd.grad(o, split, split_cot)
 
     fla = cuda and flash_linear.available()
-    variants = {"fla_delta_rule": (delta("auto"), fla), "reference_delta_rule": (delta("reference"), True),
+    fla_backward = fla and flash_linear.backward_ok()       # else "auto" takes the reference's backward (ops.py)
+    variants = {"fla_delta_rule_forward": (delta_forward("auto"), fla),
+                "reference_delta_rule_forward": (delta_forward("reference"), True),
+                "fla_delta_rule": (delta("auto"), fla_backward), "reference_delta_rule": (delta("reference"), True),
                 "reference_compiled_delta_rule": (compiled, cuda and compile_reference),
                 "fla_conv1d": (conv("auto"), fla), "reference_conv1d": (conv("reference"), True)}
     out = {"size": {"rows": B, "seq_len": T, "documents": docs.count, "longest_document": docs.length,
@@ -312,10 +321,11 @@ def kernel_bench(cfg: DecoderConfig, batch: dict, device, compile_reference: boo
            "timing": "triton.testing.do_bench median of fwd + bwd (ms)" if cuda else "one fwd + bwd on CPU (ms)"}
     for name, (fn, wanted) in variants.items():
         if not wanted:
-            out[name] = {"skipped": "needs CUDA and fla" if name.startswith("fla") else
+            out[name] = {"skipped": ("fla refuses its gated backward here (Hopper, Triton < 3.7.1)" if fla else
+                                     "needs CUDA and fla") if name.startswith("fla") else
                          "needs CUDA (inductor's CPU build is minutes)"}
         else:
-            out[name] = guarded(lambda: {"fwd_bwd_ms": timer(fn),
+            out[name] = guarded(lambda: {("fwd_ms" if name.endswith("forward") else "fwd_bwd_ms"): timer(fn),
                                          **({"peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30} if cuda else {})},
                                 device)
         print("kernels", name, json.dumps(out[name]), flush=True)

@@ -33,8 +33,8 @@ built), and each provider's ratio to hf_peft.
 
 `--kernels`: the gated delta rule alone, forward + backward (triton.testing.do_bench median), at the shape's per-layer
 size over one packed batch (8 × 2048 tokens, value heads × 128, bf16 q/k/v, fp32 g/beta): fla's chunk_gated_delta_rule
-with cu_seqlens, our torch reference (kernels "reference": the documents split into a padded batch, the chunked rule,
-joined back) and torch.compile of the reference's chunked rule (on the already split documents); the causal conv1d too.
+with cu_seqlens, our torch reference (kernels "reference": the rows with each document moved to a chunk start, the chunked
+rule restarting the state there) and torch.compile of the reference's chunked rule (on the already split documents); the causal conv1d too.
 
     python -m bench.qwen35_gpu [--shape 4b] [--steps 8] [--providers hf_peft,ours] [--kernels] [--no-sft]
                                [--out DIR] [--smoke]
@@ -299,13 +299,13 @@ def kernel_bench(cfg: DecoderConfig, batch: dict, device, compile_reference: boo
             torch.autograd.grad(y, (x, w), xcot)
         return f
 
-    docs = delta_rule.Documents(doc_ids)
+    docs = delta_rule.ChunkAligned(doc_ids)
     split = [docs.split(t.detach()).requires_grad_() for t in inputs]
     split_cot = docs.split(cot)
     compiled_rule = torch.compile(delta_rule.gated_delta_rule, dynamic=False)
 
     def compiled():
-        o = compiled_rule(*split)[0]
+        o = compiled_rule(*split, resets=docs.resets)[0]
         torch.autograd.grad(o, split, split_cot)
 
     fla = cuda and flash_linear.available()
@@ -315,7 +315,7 @@ def kernel_bench(cfg: DecoderConfig, batch: dict, device, compile_reference: boo
                 "fla_delta_rule": (delta("auto"), fla_backward), "reference_delta_rule": (delta("reference"), True),
                 "reference_compiled_delta_rule": (compiled, cuda and compile_reference),
                 "fla_conv1d": (conv("auto"), fla), "reference_conv1d": (conv("reference"), True)}
-    out = {"size": {"rows": B, "seq_len": T, "documents": docs.count, "longest_document": docs.length,
+    out = {"size": {"rows": B, "seq_len": T, "documents": int(docs.resets.sum()), "aligned_length": docs.length,
                     "value_heads": H, "head_dim_k": Dk, "head_dim_v": Dv, "conv_dim": conv_dim,
                     "dtype": str(dtype).replace("torch.", "")},
            "timing": "triton.testing.do_bench median of fwd + bwd (ms)" if cuda else "one fwd + bwd on CPU (ms)"}

@@ -10,7 +10,8 @@ v_t along k_t by β_t (the delta rule) and read by q_t:
 with q, k L2-normalised and q scaled by Dk^-½. The chunked form does the same in chunks of C tokens: inside a chunk
 the corrections are solved at once (a unit lower-triangular system, the WY form), between chunks the state passes.
 
-Packed rows: each document starts from a zero state and a zero convolution window (`documents`), as if it ran alone.
+Packed rows: each document starts from a zero state (`ChunkAligned`) and a zero convolution window
+(`causal_conv1d_packed`), as if it ran alone.
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ def _prepare(q, k, v, g, beta):
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     initial_state: torch.Tensor | None = None, chunk: int = CHUNK
+                     initial_state: torch.Tensor | None = None, chunk: int = CHUNK, resets: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule. q, k: (B, T, H, Dk); v: (B, T, H, Dv); g (log decay, ≤ 0), beta: (B, T, H);
-    initial_state (B, H, Dk, Dv) or None (zeros). Returns (o (B, T, H, Dv) in v's dtype, final state (B, H, Dk, Dv)
-    in fp32). Token t's output reads only tokens ≤ t, so padding after a sequence's end changes none of its outputs."""
+    initial_state (B, H, Dk, Dv) or None (zeros); resets (B, ⌈T / chunk⌉) bool: the state restarts from zero at those
+    chunks (documents laid out chunk-aligned, `ChunkAligned`). Returns (o (B, T, H, Dv) in v's dtype, final state
+    (B, H, Dk, Dv) in fp32). Token t's output reads only tokens ≤ t, so padding after a sequence's end changes none
+    of its outputs."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, T, Dk = k.shape
@@ -61,7 +64,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
     state = (torch.zeros(B, H, Dk, Dv, device=q.device) if initial_state is None else initial_state.float())
     out = []
+    keep = None if resets is None else (~resets).to(state.dtype)[:, :, None, None, None]       # (B, n, 1, 1, 1)
     for c in range(n):
+        if keep is not None:
+            state = state * keep[:, c]
         v_new = u[:, :, c] - w[:, :, c] @ state
         out.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ v_new)
         state = state * gamma[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ v_new
@@ -102,25 +108,45 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
     return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, at)
 
 
-class Documents:
-    """Packed rows (B, T) seen as one batch of documents (N, L): each run of equal doc ids within a row is a
-    document, padded at its end to the longest. `split` moves a (B, T, ...) tensor there, `join` back."""
+def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d` over packed rows, each document's window starting from zeros: tap j reads x[t − j] only where
+    it belongs to t's document (K shifted, masked products; no copy of the rows per document)."""
+    K, T = weight.shape[-1], x.shape[1]
+    y = x * weight[:, -1].to(x.dtype)
+    for j in range(1, min(K, T)):
+        same = (doc_ids[:, j:] == doc_ids[:, :-j])[..., None]
+        y = y + F.pad((x[:, :-j] * same) * weight[:, -1 - j].to(x.dtype), (0, 0, j, 0))
+    return F.silu(y.float()).to(x.dtype)
 
-    def __init__(self, doc_ids: torch.Tensor):
+
+class ChunkAligned:
+    """Packed rows (B, T) laid out so that each document starts a chunk: a document's tokens keep their row and their
+    order, moved right to the next multiple of `chunk`. The chunked rule then runs on the rows as they are, the state
+    reset at each document's first chunk (`resets`), and no chunk mixes two documents. `split` moves a (B, T, ...)
+    tensor there (zeros in the gaps), `join` back."""
+
+    def __init__(self, doc_ids: torch.Tensor, chunk: int = CHUNK):
         B, T = doc_ids.shape
+        dev = doc_ids.device
         starts = torch.ones_like(doc_ids, dtype=torch.bool)
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-        flat = starts.flatten()
-        self.doc = flat.long().cumsum(0) - 1                                  # each token's document
-        first = torch.nonzero(flat).flatten()                                  # each document's first token
-        self.offset = torch.arange(B * T, device=doc_ids.device) - first[self.doc]
-        self.count, self.length = len(first), int(self.offset.max()) + 1 if B * T else 0
-        self.shape = (B, T)
+        rank = starts.long().cumsum(1) - 1                                       # each token's document in its row
+        at = torch.arange(T, device=dev).expand(B, T)
+        offset = at - torch.where(starts, at, 0).cummax(1).values              # position within its document
+        lengths = torch.zeros(B, T, dtype=torch.long, device=dev).scatter_add_(1, rank, torch.ones_like(rank))
+        padded = (lengths + chunk - 1) // chunk * chunk
+        first = padded.cumsum(1) - padded                                        # each document's aligned start
+        self.position = first.gather(1, rank) + offset                           # (B, T) in the aligned rows
+        self.length = int(padded.sum(1).max())
+        self.rows = torch.arange(B, device=dev)[:, None].expand(B, T)
+        self.resets = torch.zeros(B, self.length // chunk, dtype=torch.bool, device=dev)
+        real = lengths > 0                                                       # document slots in use
+        self.resets[self.rows[real], first[real] // chunk] = True
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(self.count, self.length, *x.shape[2:])
-        out[self.doc, self.offset] = x.reshape(-1, *x.shape[2:])
+        out = x.new_zeros(x.shape[0], self.length, *x.shape[2:])
+        out[self.rows, self.position] = x
         return out
 
     def join(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.doc, self.offset].reshape(*self.shape, *x.shape[2:])
+        return x[self.rows, self.position]

@@ -142,8 +142,7 @@ def causal_conv1d(x, weight, doc_ids=None):
         return flash_linear.causal_conv1d(x, weight, doc_ids)
     if doc_ids is None:
         return delta_rule.causal_conv1d(x, weight)[0]
-    docs = delta_rule.Documents(doc_ids)
-    return docs.join(delta_rule.causal_conv1d(docs.split(x), weight)[0])
+    return delta_rule.causal_conv1d_packed(x, weight, doc_ids)
 
 
 def gated_delta_rule(q, k, v, g, beta, doc_ids=None):
@@ -153,8 +152,9 @@ def gated_delta_rule(q, k, v, g, beta, doc_ids=None):
         return flash_linear.gated_delta_rule(q, k, v, g, beta, doc_ids)
     if doc_ids is None:
         return delta_rule.gated_delta_rule(q, k, v, g, beta)[0]
-    docs = delta_rule.Documents(doc_ids)
-    return docs.join(delta_rule.gated_delta_rule(*(docs.split(t) for t in (q, k, v, g, beta)))[0])
+    aligned = delta_rule.ChunkAligned(doc_ids)
+    out = delta_rule.gated_delta_rule(*(aligned.split(t) for t in (q, k, v, g, beta)), resets=aligned.resets)[0]
+    return aligned.join(out)
 
 
 def lora_linear(x, weight, lora_a, lora_b, scale, dropout=0.0, training=False):

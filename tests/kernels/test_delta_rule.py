@@ -86,3 +86,42 @@ def test_packed_documents_equal_each_document_alone_forward_and_backward():
     loss.backward()
     for got, t in zip(grads, (q, k, v, g, beta, x, w)):
         torch.testing.assert_close(got, t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_an_answer_continues_its_shared_prompt_as_if_they_ran_together():
+    """DPO's shared prompts (data.packing): [P1][A][B][P2][C] with A, B after P1 and C after P2 — each answer's
+    convolution and rule equal running its prompt and itself as one sequence; forward and every gradient."""
+    lengths, prompt_of = [70, 9, 66, 3, 40], [None, 0, 0, None, 3]      # documents 1..5 in one row, then padding
+    doc_ids = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(lengths)] + [torch.zeros(4, dtype=torch.long)])
+    prefix = torch.cat([torch.full((n,), -1 if p is None else p + 1) for n, p in zip(lengths, prompt_of)]
+                       + [torch.full((4,), -1)])
+    doc_ids, prefix = doc_ids[None], prefix[None]
+    T = doc_ids.shape[1]
+    q, k, v, g, beta = inputs(B=1, T=T, requires_grad=True)
+    x, w = torch.randn(1, T, 7, requires_grad=True), torch.randn(7, 4, requires_grad=True)
+    with ops.using("reference"):
+        rule = ops.gated_delta_rule(q, k, v, g, beta, doc_ids, prefix)
+        conv = ops.causal_conv1d(x, w, doc_ids, prefix)
+    starts = [sum(lengths[:d]) for d in range(len(lengths))]
+    for d, p in enumerate(prompt_of):
+        span = list(range(starts[d], starts[d] + lengths[d]))
+        context = ([] if p is None else list(range(starts[p], starts[p] + lengths[p]))) + span
+        alone, _ = delta_rule.gated_delta_rule(*(t[:, context] for t in (q, k, v, g, beta)))
+        torch.testing.assert_close(rule[:, span], alone[:, -len(span):], rtol=1e-5, atol=1e-5)
+        conv_alone, _ = delta_rule.causal_conv1d(x[:, context], w)
+        torch.testing.assert_close(conv[:, span], conv_alone[:, -len(span):], rtol=1e-5, atol=1e-5)
+    # gradients: the packed loss against the same loss over each answer's own [prompt + answer] run
+    (rule[:, :sum(lengths)].square().sum() + conv[:, :sum(lengths)].square().sum()).backward()
+    packed_grads = [t.grad.clone() for t in (q, k, v, g, beta, x, w)]
+    for t in (q, k, v, g, beta, x, w):
+        t.grad = None
+    loss = 0
+    for d, p in enumerate(prompt_of):
+        span = list(range(starts[d], starts[d] + lengths[d]))
+        context = ([] if p is None else list(range(starts[p], starts[p] + lengths[p]))) + span
+        alone, _ = delta_rule.gated_delta_rule(*(t[:, context] for t in (q, k, v, g, beta)))
+        conv_alone, _ = delta_rule.causal_conv1d(x[:, context], w)
+        loss = loss + alone[:, -len(span):].square().sum() + conv_alone[:, -len(span):].square().sum()
+    loss.backward()
+    for got, t in zip(packed_grads, (q, k, v, g, beta, x, w)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-4, atol=1e-5)

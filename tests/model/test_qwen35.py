@@ -79,3 +79,21 @@ def test_packed_rows_equal_each_document_alone(moe):
         if p.requires_grad:
             torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
     assert any("linear_attn.in_proj_qkv.lora_A" in n for n in packed_grads)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_shared_prompt_gives_each_answer_what_prompt_and_answer_give_alone(moe):
+    """DPO places a pair's prompt once ([prompt][chosen][rejected], data.packing's prefix_docs): through gated DeltaNet
+    and the attention layers, each answer's logits equal those of its prompt followed by it, run alone."""
+    _, model = pair(SHAPES[0], moe)
+    P, A, B = 70, 12, 30
+    ids = torch.randint(0, 96, (1, P + A + B), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[1] * P + [2] * A + [3] * B])
+    prefix = torch.tensor([[-1] * P + [1] * (A + B)])
+    positions = torch.cat([torch.arange(P), torch.arange(P, P + A), torch.arange(P, P + B)])[None]
+    with torch.no_grad():
+        packed = model.hidden_states(ids, positions, doc_ids, prefix_docs=prefix)
+        for a, b in ((P, P + A), (P + A, P + A + B)):
+            alone = model.hidden_states(torch.cat([ids[:, :P], ids[:, a:b]], 1))
+            torch.testing.assert_close(packed[:, a:b], alone[:, P:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[:, :P], model.hidden_states(ids[:, :P]), rtol=1e-5, atol=1e-5)

@@ -33,13 +33,9 @@ READERS = {"pretrain": formats.read_pretrain, "sft": formats.read_sft, "dpo": fo
 
 
 class StageData:
-    def __init__(self, cfg: Config, tokenizer_dir: Path, data_dir: Path, device: torch.device | str = "cpu",
-                 prompts_shareable: bool = True):
-        """`prompts_shareable` False: `dpo.share_prompt` does not apply (a model with linear-attention layers carries
-        one state along each document, so two answers cannot both continue one prompt placed once)."""
+    def __init__(self, cfg: Config, tokenizer_dir: Path, data_dir: Path, device: torch.device | str = "cpu"):
         self.cfg, self.tokenizer_dir, self.data_dir = cfg, Path(tokenizer_dir), Path(data_dir)
         self.device = torch.device(device)
-        self.prompts_shareable = prompts_shareable
         self.tok = load_tokenizer(self.tokenizer_dir)
 
     def store(self, kind: str, tc: TrainConfig, split: str | None = None) -> TokenStore:
@@ -77,11 +73,6 @@ class StageData:
                             f"check {kind}.seq_len ({tc.seq_len}) and data.min_tokens / data.overlong")
         return store
 
-    def shares_prompt(self, tc: TrainConfig, group_size: int) -> bool:
-        """Whether packed groups place their common prompt once: `dpo.share_prompt` (only that stage has groups)
-        where the model allows it (`prompts_shareable`)."""
-        return group_size > 1 and getattr(tc, "share_prompt", False) and self.prompts_shareable
-
     def batches(self, kind: str, tc: TrainConfig, rank: int = 0,
                 world_size: int = 1) -> tuple[Callable[[dict | None], Prefetcher], dict]:
         """`make_batches(data_state)`, the training split's batch stream positioned by a checkpoint's
@@ -104,7 +95,7 @@ class StageData:
                 _continue_elsewhere(order, saved, len((data_state.get("packer") or {}).get("buffer", [])))
             if tc.packing:
                 batches = PackedBatches(store, order, rows=tc.batch_size, seq_len=tc.seq_len, group_size=group,
-                                        share_prefix=self.shares_prompt(tc, group))
+                                        share_prefix=shares_prompt(tc, group))
                 if exact and data_state.get("packer"):
                     batches.load_state_dict(data_state["packer"])
             else:
@@ -115,6 +106,11 @@ class StageData:
         log.info("%s: %d examples, %d tokens (%s); clean: %s", kind, len(store) // group, int(store.lengths().sum()),
                  "packed" if tc.packing else "padded", clean)
         return make_batches, {"examples": len(store) // group, "clean": clean}
+
+
+def shares_prompt(tc: TrainConfig, group_size: int) -> bool:
+    """Whether packed groups place their common prompt once: `dpo.share_prompt` (only that stage has groups)."""
+    return group_size > 1 and getattr(tc, "share_prompt", False)
 
 
 def _continue_elsewhere(order: EpochSampler, saved: dict, buffered: int) -> None:

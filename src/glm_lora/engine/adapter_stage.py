@@ -18,7 +18,7 @@ import torch
 from glm_lora.configs.schema import Config
 from glm_lora.data.pipeline import StageData
 from glm_lora.engine import dist
-from glm_lora.engine.fit import check_seq_len, consolidated, fit, prompts_shareable, setup
+from glm_lora.engine.fit import check_seq_len, consolidated, fit, setup
 from glm_lora.engine.losses import WithMTP
 from glm_lora.engine.router_stats import RouterHealth
 from glm_lora.evaluation.heldout import eval_mtp
@@ -47,7 +47,7 @@ def train_adapter(cfg: Config, inputs: dict[str, Path], out_dir: Path, *, stage:
     to merge the earlier adapters into."""
     tc = getattr(cfg, stage)
     rt = setup(cfg, tc.seed)            # seeds before the model is built: the adapter's init is reproducible
-    data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device, prompts_shareable(cfg))
+    data = StageData(cfg, inputs["tokenizer"], inputs["data"], rt.device)
     model = load_model(inputs, lambda base: base_placement(base, tc.lora, _load_device(cfg, stage, rt),
                                                          rt.dtype if rt.weights_in_compute_dtype else None))
     check_seq_len(tc.seq_len, model, stage)

@@ -50,6 +50,9 @@ def unavailable(device: torch.device, dist, model: torch.nn.Module | None = None
     layout = getattr(getattr(model, "config", None), "layout", None)
     if getattr(layout, "moe", False):
         return "mixture-of-experts layers (each step's expert batches have new sizes: a recompile every step)"
+    if getattr(layout, "linear_attention", False):
+        return ("gated DeltaNet layers (packed documents laid out chunk-aligned: each step's rows have a new length, "
+                "a recompile every step)")
     if device.type not in ("cpu", "cuda"):
         return f"device {device.type} (compiling is measured on the CPU and CUDA only)"
     if dist is not None:

@@ -47,13 +47,6 @@ def decoder_config(cfg: Config, vocab: int) -> DecoderConfig:
     return DecoderConfig(**{**fields, "vocab_size": m.vocab_size or vocab, "num_nextn_predict_layers": m.mtp_layers})
 
 
-def prompts_shareable(cfg: Config) -> bool:
-    """Whether DPO may place a pair's prompt once (`dpo.share_prompt`): not for a base with linear-attention layers
-    (Qwen3.5), whose state runs along a row's documents in order, so two answers cannot both continue one prompt."""
-    from glm_lora.model.hf import read_hf_config
-    return cfg.base_model is None or not read_hf_config(cfg.base_model).layout.linear_attention
-
-
 def check_seq_len(seq_len: int, model, key: str) -> None:
     if seq_len > model.config.max_seq_len:
         raise UserError(f"{key}.seq_len {seq_len} exceeds model.max_seq_len {model.config.max_seq_len}")

@@ -53,10 +53,6 @@ def preflight(cfg: Config) -> None:
     check_tokenizer_fits(cfg.base_model, len(load_tokenizer(cfg.base_model)))
     _check_lora(cfg, layout)
     _check_mtp(cfg, layout)
-    if layout.layout.linear_attention and cfg.dpo.share_prompt:
-        log.warning("dpo.share_prompt: off for %s (linear-attention layers carry one state along each document, so "
-                    "two answers cannot continue one prompt placed once): each answer repeats its prompt",
-                    layout.arch)
     _check_memory(cfg, layout)
     gguf_support.check(cfg.export.gguf, layout.arch, tokenizer_dir=cfg.base_model)
     lengths = {"sft.seq_len": cfg.sft.seq_len, "dpo.seq_len": cfg.dpo.seq_len}     # pretraining is skipped

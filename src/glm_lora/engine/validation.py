@@ -10,7 +10,7 @@ import torch
 
 from glm_lora.configs.schema import TrainConfig
 from glm_lora.data.packing import PackedBatches, to_device
-from glm_lora.data.pipeline import StageData
+from glm_lora.data.pipeline import StageData, shares_prompt
 from glm_lora.engine.trainer import Runtime
 
 
@@ -31,7 +31,7 @@ def validation_loss(data: StageData, kind: str, tc: TrainConfig, loss_fn, model,
 
     def packed(rows) -> PackedBatches:
         return PackedBatches(store, iter(rows), rows=tc.batch_size, seq_len=tc.seq_len, group_size=group,
-                             share_prefix=data.shares_prompt(tc, group))
+                             share_prefix=shares_prompt(tc, group))
 
     @torch.no_grad()
     def validate() -> float:

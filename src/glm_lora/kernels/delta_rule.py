@@ -15,6 +15,8 @@ Packed rows: each document starts from a zero state (`ChunkAligned`) and a zero 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -33,11 +35,12 @@ def _prepare(q, k, v, g, beta):
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     initial_state: torch.Tensor | None = None, chunk: int = CHUNK, resets: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     initial_state: torch.Tensor | None = None, chunk: int = CHUNK, resets: torch.Tensor | None = None,
+                     carry: "Carry | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule. q, k: (B, T, H, Dk); v: (B, T, H, Dv); g (log decay, ≤ 0), beta: (B, T, H);
     initial_state (B, H, Dk, Dv) or None (zeros); resets (B, ⌈T / chunk⌉) bool: the state restarts from zero at those
-    chunks (documents laid out chunk-aligned, `ChunkAligned`). Returns (o (B, T, H, Dv) in v's dtype, final state
+    chunks (documents laid out chunk-aligned, `ChunkAligned`); `carry`: where a document starts from another's final
+    state instead (an answer from its shared prompt's). Returns (o (B, T, H, Dv) in v's dtype, final state
     (B, H, Dk, Dv) in fp32). Token t's output reads only tokens ≤ t, so padding after a sequence's end changes none
     of its outputs."""
     dtype = v.dtype
@@ -65,12 +68,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     state = (torch.zeros(B, H, Dk, Dv, device=q.device) if initial_state is None else initial_state.float())
     out = []
     keep = None if resets is None else (~resets).to(state.dtype)[:, :, None, None, None]       # (B, n, 1, 1, 1)
+    saved = None if carry is None else state.new_zeros(B, carry.slots, H, Dk, Dv)
     for c in range(n):
         if keep is not None:
             state = state * keep[:, c]
+        if carry is not None:           # an answer's first chunk: its prompt's final state
+            load = carry.load[:, c]
+            state = torch.where((load >= 0)[:, None, None, None], saved[torch.arange(B), load.clamp(min=0)], state)
         v_new = u[:, :, c] - w[:, :, c] @ state
         out.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ v_new)
         state = state * gamma[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+        if carry is not None:           # a prompt's last chunk: keep its final state for its answers
+            into = (carry.save[:, c, None] == torch.arange(carry.slots, device=q.device))[..., None, None, None]
+            saved = torch.where(into, state[:, None], saved)
     o = torch.stack(out, 2).reshape(B, H, n * chunk, Dv)[:, :, :T]
     return o.transpose(1, 2).to(dtype), state
 
@@ -108,15 +118,56 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
     return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, at)
 
 
-def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor,
+                         prefix_docs: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_conv1d` over packed rows, each document's window starting from zeros: tap j reads x[t − j] only where
-    it belongs to t's document (K shifted, masked products; no copy of the rows per document)."""
-    K, T = weight.shape[-1], x.shape[1]
+    it belongs to t's document, or, for an answer whose shared prompt `prefix_docs` names (-1: none), the prompt's
+    last inputs before the answer's first (as if the prompt ran right before it). K gathered, masked products."""
+    B, T, D = x.shape
+    K = weight.shape[-1]
+    at, start, _ = _token_documents(doc_ids)
+    offset = at - start                                                        # position within its document
+    flat, here = x.reshape(B * T, D), start + offset                           # flat indices of the tokens
     y = x * weight[:, -1].to(x.dtype)
-    for j in range(1, min(K, T)):
-        same = (doc_ids[:, j:] == doc_ids[:, :-j])[..., None]
-        y = y + F.pad((x[:, :-j] * same) * weight[:, -1 - j].to(x.dtype), (0, 0, j, 0))
+    if prefix_docs is not None:
+        first, length = _document_table(doc_ids)
+        prompt = prefix_docs.clamp(min=0)
+        prompt_end = first[prompt] + length[prompt]
+    for j in range(1, K):
+        own = offset >= j
+        src, valid = here - j, own
+        if prefix_docs is not None:
+            back = j - offset                                                  # taps before the answer's start
+            from_prompt = ~own & (prefix_docs >= 0) & (back <= length[prompt])
+            src, valid = torch.where(own, src, prompt_end - back), own | from_prompt
+        y = y + flat[src.clamp(min=0)] * valid[..., None] * weight[:, -1 - j].to(x.dtype)
     return F.silu(y.float()).to(x.dtype)
+
+
+def _token_documents(doc_ids: torch.Tensor):
+    """Flat index of each token (B, T), of its document's first token, and whether it starts one."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    at = torch.arange(B * T, device=doc_ids.device).view(B, T)
+    return at, torch.where(starts, at, 0).cummax(1).values, starts
+
+
+def _document_table(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per document id (ids are unique within a batch, data.packing): its first token's flat index and its length."""
+    flat = doc_ids.flatten()
+    n = int(flat.max()) + 1
+    first = flat.new_full((n,), flat.numel()).scatter_reduce(0, flat, torch.arange(flat.numel(), device=flat.device),
+                                                             "amin")
+    return first, torch.zeros(n, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+class Carry(NamedTuple):
+    """Shared prompts in chunk-aligned rows: after chunk c, save the state as slot save[b, c] (-1: none); at chunk c
+    start from slot load[b, c] (-1: as resets say). `slots`: how many a row may hold."""
+    load: torch.Tensor
+    save: torch.Tensor
+    slots: int
 
 
 class ChunkAligned:
@@ -125,14 +176,12 @@ class ChunkAligned:
     reset at each document's first chunk (`resets`), and no chunk mixes two documents. `split` moves a (B, T, ...)
     tensor there (zeros in the gaps), `join` back."""
 
-    def __init__(self, doc_ids: torch.Tensor, chunk: int = CHUNK):
+    def __init__(self, doc_ids: torch.Tensor, chunk: int = CHUNK, prefix_docs: torch.Tensor | None = None):
         B, T = doc_ids.shape
         dev = doc_ids.device
-        starts = torch.ones_like(doc_ids, dtype=torch.bool)
-        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        at, start, starts = _token_documents(doc_ids)
         rank = starts.long().cumsum(1) - 1                                       # each token's document in its row
-        at = torch.arange(T, device=dev).expand(B, T)
-        offset = at - torch.where(starts, at, 0).cummax(1).values              # position within its document
+        offset = at - start                                                      # position within its document
         lengths = torch.zeros(B, T, dtype=torch.long, device=dev).scatter_add_(1, rank, torch.ones_like(rank))
         padded = (lengths + chunk - 1) // chunk * chunk
         first = padded.cumsum(1) - padded                                        # each document's aligned start
@@ -142,6 +191,26 @@ class ChunkAligned:
         self.resets = torch.zeros(B, self.length // chunk, dtype=torch.bool, device=dev)
         real = lengths > 0                                                       # document slots in use
         self.resets[self.rows[real], first[real] // chunk] = True
+        self.carry = None if prefix_docs is None else self._carry(doc_ids, prefix_docs, rank, first, padded, chunk)
+
+    def _carry(self, doc_ids, prefix_docs, rank, first, padded, chunk) -> Carry:
+        """Each answer's first chunk loads its prompt's final state, saved after the prompt's last chunk."""
+        B, T = doc_ids.shape
+        rank_of = torch.zeros(int(doc_ids.max()) + 1, dtype=torch.long, device=doc_ids.device)
+        rank_of[doc_ids.flatten()] = rank.flatten()                            # a document id's slot in its row
+        prompt_rank = torch.full((B, T), -1, dtype=torch.long, device=doc_ids.device)
+        answers = prefix_docs >= 0
+        prompt_rank[self.rows[answers], rank[answers]] = rank_of[prefix_docs[answers]]   # per slot: its prompt's
+        is_prompt = torch.zeros(B, T, dtype=torch.bool, device=doc_ids.device)
+        is_prompt[self.rows[answers], rank_of[prefix_docs[answers]]] = True
+        slot = is_prompt.long().cumsum(1) - 1                                  # a prompt's place among its row's
+        n = self.length // chunk
+        load = torch.full((B, n), -1, dtype=torch.long, device=doc_ids.device)
+        save = torch.full((B, n), -1, dtype=torch.long, device=doc_ids.device)
+        has = prompt_rank >= 0
+        load[self.rows[has], first[has] // chunk] = slot.gather(1, prompt_rank.clamp(min=0))[has]
+        save[self.rows[is_prompt], (first + padded)[is_prompt] // chunk - 1] = slot[is_prompt]
+        return Carry(load, save, max(int(is_prompt.sum(1).max()), 1))
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(x.shape[0], self.length, *x.shape[2:])

@@ -4,7 +4,8 @@ x → in_proj_qkv → a short causal depthwise convolution (conv1d, SiLU) → q,
 g = −exp(A_log)·softplus(in_proj_a x + dt_bias) and a write strength β = sigmoid(in_proj_b x); the gated delta rule
 (kernels/delta_rule.py) mixes the sequence; each head's output is RMS-normalised and gated by SiLU(in_proj_z x)
 (`norm`), then out_proj. Key heads are shared by num_v_heads / num_k_heads value heads. Packed rows reset the
-convolution window and the state at each document; decoding keeps both per sequence (model.KVCache).
+convolution window and the state at each document (an answer continues its shared prompt's); decoding keeps both
+per sequence (model.KVCache).
 """
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ class GatedDeltaNet(nn.Module):
         from glm_lora.model.model import stacks
         return stacks(x, *self.siblings())
 
-    def forward(self, x, doc_ids: torch.Tensor | None = None, cache=None):
-        """x (B, T, C); doc_ids (B, T): packed rows' documents (None: one per row); cache: decoding (model.KVCache),
-        which holds each sequence's convolution window and state between forwards."""
+    def forward(self, x, doc_ids: torch.Tensor | None = None, cache=None, prefix_docs: torch.Tensor | None = None):
+        """x (B, T, C); doc_ids (B, T): packed rows' documents (None: one per row); prefix_docs: the shared prompt each
+        answer continues (data.packing); cache: decoding (model.KVCache), which holds each sequence's convolution
+        window and state between forwards."""
         from glm_lora.model.model import project
         B, T, _ = x.shape
         qkv, z, b, a = project(x, *self.siblings())
@@ -64,8 +66,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)       # (B, T, Hv), ≤ 0
         weight = self.conv1d.weight[:, 0]                                           # (D, K)
         if cache is None:
-            qkv = kernels.causal_conv1d(qkv, weight, doc_ids)
-            o = kernels.gated_delta_rule(*self._heads(qkv), g, beta, doc_ids)
+            qkv = kernels.causal_conv1d(qkv, weight, doc_ids, prefix_docs)
+            o = kernels.gated_delta_rule(*self._heads(qkv), g, beta, doc_ids, prefix_docs)
         else:
             o = cache.delta_net(self.layer_idx, qkv, weight, g, beta, self._heads)
         o = self.norm(o.reshape(B, T, self.n_v, self.dv), z.reshape(B, T, self.n_v, self.dv))

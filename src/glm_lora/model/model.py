@@ -392,9 +392,11 @@ class Attention(nn.Module):
 
 class HybridMask(NamedTuple):
     """What the layers of a hybrid layout (layer_types) read besides their input: the attention layers' mask, and the
-    packed rows' documents (None: one per row) at whose boundaries the linear-attention layers reset."""
+    packed rows' documents (None: one per row) at whose boundaries the linear-attention layers reset — to the end of
+    the shared prompt `prefix_docs` names, where one does (data.packing)."""
     attention: object
     doc_ids: torch.Tensor | None
+    prefix_docs: torch.Tensor | None = None
 
 
 def longest_document(doc_ids: torch.Tensor) -> int:
@@ -731,7 +733,7 @@ class Block(nn.Module):
         mixer = self.linear_attn if linear else self.self_attn
         x, n = self.input_layernorm.add(x, h, _matmul_input_dtype(x, mixer.reads_input_once(x)))
         if linear:
-            h = self.linear_attn(n, mask.doc_ids, cache)
+            h = self.linear_attn(n, mask.doc_ids, cache, mask.prefix_docs)
         else:           # a hybrid layout's attention layers read their part of the mask (HybridMask)
             h = self.self_attn(n, cos, sin, mask.attention if isinstance(mask, HybridMask) else mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
@@ -882,7 +884,7 @@ class Decoder(nn.Module):
         if cfg.layout.linear_attention:
             mask = cache.start(position_ids) if cache is not None else (
                 None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs))
-            return cos, sin, HybridMask(mask, doc_ids if cache is None else None)
+            return cos, sin, HybridMask(mask, *((doc_ids, prefix_docs) if cache is None else (None, None)))
         if cache is not None:
             return cos, sin, cache.start(position_ids)
         if cfg.layout.dsa and self.sparse_attention_pays(position_ids.shape[1], doc_ids, prefix_docs):

@@ -687,8 +687,8 @@ def test_a_qwen35_base_on_user_files_runs_the_dag_exports_as_it_came_and_reruns_
     """Qwen3.5 (gated DeltaNet beside gated attention; the MoE variant): a tiny random one on user files goes through
     import → LoRA SFT → DPO (every projection, the linear-attention ones included) → export. The export is the class
     it came as — the multimodal wrapper with its vision tower and MTP tensors unchanged — and loads in transformers
-    with our logits; the DPO adapter loads with PEFT's one-liner with our logits. vLLM's CPU build cannot load
-    Qwen3.5, so serving is refused before anything trains; a second run comes from cache."""
+    with our logits; the DPO adapter loads with PEFT on that class with our logits. vLLM's CPU build cannot load
+    Qwen3.5, so serving is refused before anything trains; a second run comes from cache; GRPO trains after DPO."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
     from glm_lora.model.adapters import load_policy
@@ -728,6 +728,13 @@ def test_a_qwen35_base_on_user_files_runs_the_dag_exports_as_it_came_and_reruns_
             assert (peft(input_ids=x).logits - theirs(input_ids=x).logits).abs().max().item() < 1e-4
     _, states = _run(overrides)
     assert states == {s: "Cached" for s in ("data", "tokenizer", "import_base", "sft", "dpo", "export")}
+    if not moe:     # GRPO: rollouts decode through each sequence's convolution window and state
+        from glm_lora.configs.load import load_config
+        from glm_lora.flows.cli import run_one_stage
+        run_one_stage("rl", load_config("tiny", {**overrides, "rl.enabled": True, "rl.max_steps": 3, "rl.batch_size": 4,
+                                                 "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.families": ["all"]}))
+        metrics = json.loads((run_dir / "rl" / "manifest.json").read_text())["metrics"]
+        assert metrics["step"] == 3 and 0 < metrics["completion_length"] <= 8 and metrics["samples"]
 
 
 def test_the_rl_stage_trains_after_dpo_is_exported_on_dpo_merged_served_and_reruns_cached(dag, tmp_path):

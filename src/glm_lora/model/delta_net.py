@@ -52,7 +52,7 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def reads_input_once(self, x) -> bool:
-        from glm_lora.model.model import stacks
+        from glm_lora.model.model import stacks     # at call time: model.py imports this module
         return stacks(x, *self.siblings())
 
     def forward(self, x, doc_ids: torch.Tensor | None = None, cache=None, prefix_docs: torch.Tensor | None = None):

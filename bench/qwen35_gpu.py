@@ -146,7 +146,7 @@ def hf_batch(b: dict) -> dict:
     ids restarting per document, the documents' bounds as cu_seq_lens_q/k (int32) and max_length_q/k. Each row's
     padding tail is a sequence of its own, so no real token sees it."""
     B, T = b["input_ids"].shape
-    cu = flash_linear.cu_seqlens(b["doc_ids"], B, T, "cpu")
+    cu = delta_rule.PackedRows(b["doc_ids"]).cu_seqlens
     longest = int(cu.diff().max())
     flat = {k: b[k].reshape(1, B * T) for k in ("input_ids", "position_ids", "labels")}
     return {**flat, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
@@ -279,27 +279,29 @@ def kernel_bench(cfg: DecoderConfig, batch: dict, device, compile_reference: boo
         fn()
         return 1000 * (time.perf_counter() - t0)
 
+    rows = delta_rule.PackedRows(doc_ids)     # built once a forward and shared by its layers, as in the model
+
     def delta(backend):
         def f():
             with kernels.using(backend, "auto"):
-                o = kernels.gated_delta_rule(*inputs, doc_ids)
+                o = kernels.gated_delta_rule(*inputs, rows)
             torch.autograd.grad(o, inputs, cot)
         return f
 
     def delta_forward(backend):
         def f():
             with torch.no_grad(), kernels.using(backend, "auto"):
-                kernels.gated_delta_rule(*inputs, doc_ids)
+                kernels.gated_delta_rule(*inputs, rows)
         return f
 
     def conv(backend):
         def f():
             with kernels.using(backend, "auto"):
-                y = kernels.causal_conv1d(x, w, doc_ids)
+                y = kernels.causal_conv1d(x, w, rows)
             torch.autograd.grad(y, (x, w), xcot)
         return f
 
-    docs = delta_rule.ChunkAligned(doc_ids)
+    docs = rows.aligned
     split = [docs.split(t.detach()).requires_grad_() for t in inputs]
     split_cot = docs.split(cot)
     compiled_rule = torch.compile(delta_rule.gated_delta_rule, dynamic=False)

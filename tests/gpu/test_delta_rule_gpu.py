@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glm_lora.kernels import flash_linear
+from glm_lora.kernels.delta_rule import PackedRows
 from glm_lora.kernels import ops as kernels
 
 pytestmark = [pytest.mark.gpu,
@@ -56,7 +57,8 @@ def run_delta(backend, q, k, v, g, beta, doc_ids=None):
     Hk-head q, k sum over them)."""
     rep = v.shape[2] // q.shape[2]
     with kernels.using(backend, "sdpa"):
-        return kernels.gated_delta_rule(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta, doc_ids)
+        return kernels.gated_delta_rule(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta,
+                                        None if doc_ids is None else PackedRows(doc_ids))
 
 
 def require_fla_backward():
@@ -173,7 +175,7 @@ def test_a_leaking_state_would_be_caught():
 
 def run_conv(backend, x, w, doc_ids=None):
     with kernels.using(backend, "sdpa"):
-        return kernels.causal_conv1d(x, w, doc_ids)
+        return kernels.causal_conv1d(x, w, None if doc_ids is None else PackedRows(doc_ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,7 +242,7 @@ def test_gated_deltanet_layer_bf16_matches_the_reference_backend():
     outs = {}
     for backend in ("auto", "reference"):
         with kernels.using(backend, "sdpa"), torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x, doc)
+            y = layer(x, PackedRows(doc))
         loss = (y.float() * cot).sum()
         outs[backend] = (y.float(), torch.autograd.grad(loss, x, retain_graph=True)[0], param_grads(layer, loss))
     (y, dx, dp), (ry, rdx, rdp) = outs["auto"], outs["reference"]

@@ -70,8 +70,9 @@ def test_packed_documents_equal_each_document_alone_forward_and_backward():
     q, k, v, g, beta = inputs(requires_grad=True)
     x, w = torch.randn(2, 37, 7, requires_grad=True), torch.randn(7, 4, requires_grad=True)
     with ops.using("reference"):
-        packed = ops.gated_delta_rule(q, k, v, g, beta, doc_ids)
-        conv = ops.causal_conv1d(x, w, doc_ids)
+        rows = delta_rule.PackedRows(doc_ids)
+        packed = ops.gated_delta_rule(q, k, v, g, beta, rows)
+        conv = ops.causal_conv1d(x, w, rows)
     (packed.square().sum() + conv.square().sum()).backward()
     grads = [t.grad.clone() for t in (q, k, v, g, beta, x, w)]
     for t in (q, k, v, g, beta, x, w):
@@ -100,8 +101,9 @@ def test_an_answer_continues_its_shared_prompt_as_if_they_ran_together():
     q, k, v, g, beta = inputs(B=1, T=T, requires_grad=True)
     x, w = torch.randn(1, T, 7, requires_grad=True), torch.randn(7, 4, requires_grad=True)
     with ops.using("reference"):
-        rule = ops.gated_delta_rule(q, k, v, g, beta, doc_ids, prefix)
-        conv = ops.causal_conv1d(x, w, doc_ids, prefix)
+        rows = delta_rule.PackedRows(doc_ids, prefix)
+        rule = ops.gated_delta_rule(q, k, v, g, beta, rows)
+        conv = ops.causal_conv1d(x, w, rows)
     starts = [sum(lengths[:d]) for d in range(len(lengths))]
     for d, p in enumerate(prompt_of):
         span = list(range(starts[d], starts[d] + lengths[d]))

@@ -10,11 +10,12 @@ v_t along k_t by β_t (the delta rule) and read by q_t:
 with q, k L2-normalised and q scaled by Dk^-½. The chunked form does the same in chunks of C tokens: inside a chunk
 the corrections are solved at once (a unit lower-triangular system, the WY form), between chunks the state passes.
 
-Packed rows: each document starts from a zero state (`ChunkAligned`) and a zero convolution window
-(`causal_conv1d_packed`), as if it ran alone.
+Packed rows (`PackedRows`): each document starts from a zero state (`ChunkAligned`) and a zero convolution window
+(`causal_conv1d_packed`), as if it ran alone — or an answer from its shared prompt's.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -29,7 +30,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _prepare(q, k, v, g, beta):
-    """fp32, heads first (B, H, T, ·), q and k normalised, q scaled."""
+    """fp32, heads first (B, H, T, ·), q and k normalised, q scaled; each of q's and k's heads repeated for the value
+    heads that share it (fewer key heads than value heads, as flash-linear-attention takes them)."""
+    share = v.shape[2] // q.shape[2]
+    if share > 1:
+        q, k = (t.repeat_interleave(share, dim=2) for t in (q, k))
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
     return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k), v, g, beta
 
@@ -37,7 +42,8 @@ def _prepare(q, k, v, g, beta):
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      initial_state: torch.Tensor | None = None, chunk: int = CHUNK, resets: torch.Tensor | None = None,
                      carry: "Carry | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule. q, k: (B, T, H, Dk); v: (B, T, H, Dv); g (log decay, ≤ 0), beta: (B, T, H);
+    """The chunked gated delta rule. q, k: (B, T, Hk, Dk); v: (B, T, H, Dv), H a multiple of Hk; g (log decay, ≤ 0),
+    beta: (B, T, H);
     initial_state (B, H, Dk, Dv) or None (zeros); resets (B, ⌈T / chunk⌉) bool: the state restarts from zero at those
     chunks (documents laid out chunk-aligned, `ChunkAligned`); `carry`: where a document starts from another's final
     state instead (an answer from its shared prompt's). Returns (o (B, T, H, Dv) in v's dtype, final state
@@ -118,30 +124,58 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
     return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, at)
 
 
-def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor,
-                         prefix_docs: torch.Tensor | None = None) -> torch.Tensor:
-    """`causal_conv1d` over packed rows, each document's window starting from zeros: tap j reads x[t − j] only where
-    it belongs to t's document, or, for an answer whose shared prompt `prefix_docs` names (-1: none), the prompt's
-    last inputs before the answer's first (as if the prompt ran right before it). K gathered, masked products."""
+def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, rows: "PackedRows") -> torch.Tensor:
+    """`causal_conv1d` over packed rows, each document's window starting from zeros: tap j reads only what
+    `rows.taps` allows — t − j of t's own document, or, for an answer after a shared prompt, the prompt's last inputs
+    (as if the prompt ran right before it). K gathered, masked products."""
     B, T, D = x.shape
-    K = weight.shape[-1]
-    at, start, _ = _token_documents(doc_ids)
-    offset = at - start                                                        # position within its document
-    flat, here = x.reshape(B * T, D), start + offset                           # flat indices of the tokens
+    flat = x.reshape(B * T, D)
     y = x * weight[:, -1].to(x.dtype)
-    if prefix_docs is not None:
-        first, length = _document_table(doc_ids)
-        prompt = prefix_docs.clamp(min=0)
-        prompt_end = first[prompt] + length[prompt]
-    for j in range(1, K):
-        own = offset >= j
-        src, valid = here - j, own
-        if prefix_docs is not None:
-            back = j - offset                                                  # taps before the answer's start
-            from_prompt = ~own & (prefix_docs >= 0) & (back <= length[prompt])
-            src, valid = torch.where(own, src, prompt_end - back), own | from_prompt
-        y = y + flat[src.clamp(min=0)] * valid[..., None] * weight[:, -1 - j].to(x.dtype)
+    for j, (src, valid) in enumerate(rows.taps(weight.shape[-1]), start=1):
+        y = y + flat[src] * valid[..., None] * weight[:, -1 - j].to(x.dtype)
     return F.silu(y.float()).to(x.dtype)
+
+
+class PackedRows:
+    """One forward's packed rows as the linear-attention kernels read them: `doc_ids` (B, T) and, with DPO's shared
+    prompts, `prefix_docs` (the prompt each answer continues; -1: none). Built once per forward and shared by every
+    layer (its checkpointed recompute included): the layouts below are worked out once, each costing host syncs."""
+
+    def __init__(self, doc_ids: torch.Tensor, prefix_docs: torch.Tensor | None = None):
+        self.doc_ids, self.prefix_docs = doc_ids, prefix_docs
+        self._taps: dict[int, list] = {}
+
+    @functools.cached_property
+    def aligned(self) -> "ChunkAligned":
+        return ChunkAligned(self.doc_ids, prefix_docs=self.prefix_docs)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Where each document starts in the rows flattened to one, and the end (int32: flash-linear-attention's)."""
+        _, _, starts = _token_documents(self.doc_ids)
+        first = torch.nonzero(starts.flatten()).flatten()
+        return torch.cat([first, first.new_tensor([self.doc_ids.numel()])]).to(torch.int32)
+
+    def taps(self, K: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For taps j = 1 … K − 1 of a causal convolution: (flat index each token reads, whether it may)."""
+        if K not in self._taps:
+            at, start, _ = _token_documents(self.doc_ids)
+            offset = at - start                                                # position within its document
+            if self.prefix_docs is not None:
+                first, length = _document_table(self.doc_ids)
+                prompt = self.prefix_docs.clamp(min=0)
+                prompt_end, prompt_length = first[prompt] + length[prompt], length[prompt]
+            taps = []
+            for j in range(1, K):
+                own = offset >= j
+                src, valid = at - j, own
+                if self.prefix_docs is not None:
+                    back = j - offset                                          # taps before the answer's start
+                    from_prompt = ~own & (self.prefix_docs >= 0) & (back <= prompt_length)
+                    src, valid = torch.where(own, src, prompt_end - back), own | from_prompt
+                taps.append((src.clamp(min=0), valid))
+            self._taps[K] = taps
+        return self._taps[K]
 
 
 def _token_documents(doc_ids: torch.Tensor):

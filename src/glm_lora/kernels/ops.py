@@ -135,26 +135,28 @@ def _flash_linear(x: torch.Tensor) -> bool:
     return x.is_cuda and _BACKEND != "reference" and flash_linear.available()
 
 
-def causal_conv1d(x, weight, doc_ids=None, prefix_docs=None):
-    """SiLU of gated DeltaNet's causal depthwise convolution, x (B, T, D), weight (D, K); each packed document's
-    window starts from zeros, or from the end of the shared prompt `prefix_docs` names (the reference's: fla has no
-    such input)."""
-    if _flash_linear(x) and prefix_docs is None:
-        return flash_linear.causal_conv1d(x, weight, doc_ids)
-    if doc_ids is None:
+def causal_conv1d(x, weight, rows=None):
+    """SiLU of gated DeltaNet's causal depthwise convolution, x (B, T, D), weight (D, K); `rows`
+    (delta_rule.PackedRows): each packed document's window starts from zeros, or from the end of its shared prompt
+    (the reference's: fla has no such input)."""
+    if _flash_linear(x) and (rows is None or rows.prefix_docs is None):
+        return flash_linear.causal_conv1d(x, weight, rows)
+    if rows is None:
         return delta_rule.causal_conv1d(x, weight)[0]
-    return delta_rule.causal_conv1d_packed(x, weight, doc_ids, prefix_docs)
+    return delta_rule.causal_conv1d_packed(x, weight, rows)
 
 
-def gated_delta_rule(q, k, v, g, beta, doc_ids=None, prefix_docs=None):
-    """The chunked gated delta rule's output (B, T, H, Dv) from a zero state; each packed document starts anew, or
-    from the final state of the shared prompt `prefix_docs` names (the reference's)."""
+def gated_delta_rule(q, k, v, g, beta, rows=None):
+    """The chunked gated delta rule's output (B, T, H, Dv) from a zero state (q, k may have fewer heads, each shared
+    by H / Hk value heads); with `rows`, each packed document starts anew, or from the final state of its shared
+    prompt (the reference's)."""
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    if _flash_linear(q) and (not needs_backward or flash_linear.backward_ok()) and prefix_docs is None:
-        return flash_linear.gated_delta_rule(q, k, v, g, beta, doc_ids)
-    if doc_ids is None:
+    shared_prompts = rows is not None and rows.prefix_docs is not None
+    if _flash_linear(q) and (not needs_backward or flash_linear.backward_ok()) and not shared_prompts:
+        return flash_linear.gated_delta_rule(q, k, v, g, beta, rows)
+    if rows is None:
         return delta_rule.gated_delta_rule(q, k, v, g, beta)[0]
-    aligned = delta_rule.ChunkAligned(doc_ids, prefix_docs=prefix_docs)
+    aligned = rows.aligned
     out = delta_rule.gated_delta_rule(*(aligned.split(t) for t in (q, k, v, g, beta)), resets=aligned.resets,
                                       carry=aligned.carry)[0]
     return aligned.join(out)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from glm_lora.kernels import ops as kernels
+from glm_lora.kernels.delta_rule import PackedRows
 
 
 class GatedRMSNorm(nn.Module):
@@ -55,10 +56,9 @@ class GatedDeltaNet(nn.Module):
         from glm_lora.model.model import stacks     # at call time: model.py imports this module
         return stacks(x, *self.siblings())
 
-    def forward(self, x, doc_ids: torch.Tensor | None = None, cache=None, prefix_docs: torch.Tensor | None = None):
-        """x (B, T, C); doc_ids (B, T): packed rows' documents (None: one per row); prefix_docs: the shared prompt each
-        answer continues (data.packing); cache: decoding (model.KVCache), which holds each sequence's convolution
-        window and state between forwards."""
+    def forward(self, x, rows: PackedRows | None = None, cache=None):
+        """x (B, T, C); rows: packed rows' documents and shared prompts (None: one sequence per row); cache: decoding
+        (model.KVCache), which holds each sequence's convolution window and state between forwards."""
         from glm_lora.model.model import project
         B, T, _ = x.shape
         qkv, z, b, a = project(x, *self.siblings())
@@ -66,19 +66,16 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)       # (B, T, Hv), ≤ 0
         weight = self.conv1d.weight[:, 0]                                           # (D, K)
         if cache is None:
-            qkv = kernels.causal_conv1d(qkv, weight, doc_ids, prefix_docs)
-            o = kernels.gated_delta_rule(*self._heads(qkv), g, beta, doc_ids, prefix_docs)
+            qkv = kernels.causal_conv1d(qkv, weight, rows)
+            o = kernels.gated_delta_rule(*self._heads(qkv), g, beta, rows)
         else:
             o = cache.delta_net(self.layer_idx, qkv, weight, g, beta, self._heads)
         o = self.norm(o.reshape(B, T, self.n_v, self.dv), z.reshape(B, T, self.n_v, self.dv))
         return self.out_proj(o.reshape(B, T, -1))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolved (B, T, D) split into q, k (B, T, Hv, Dk), each key head repeated for its value heads, and
-        v (B, T, Hv, Dv)."""
+        """The convolved (B, T, D) split into q, k (B, T, Hk, Dk) and v (B, T, Hv, Dv); the kernels share each key
+        head among its Hv / Hk value heads."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)
-        q, k = (t.reshape(B, T, self.n_k, self.dk) for t in (q, k))
-        if self.n_v > self.n_k:
-            q, k = (t.repeat_interleave(self.n_v // self.n_k, dim=2) for t in (q, k))
-        return q, k, v.reshape(B, T, self.n_v, self.dv)
+        return q.reshape(B, T, self.n_k, self.dk), k.reshape(B, T, self.n_k, self.dk), v.reshape(B, T, self.n_v, self.dv)

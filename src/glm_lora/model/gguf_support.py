@@ -28,13 +28,6 @@ ARCHS = {"llama": Arch("LLAMA", True), "qwen2": Arch("QWEN2", False), "qwen3": A
          "glm": Arch("CHATGLM", False), "glm4": Arch("GLM4", False), "glm4_moe": Arch("GLM4_MOE", False)}
 
 
-# Layouts llama.cpp runs whose GGUF files this writer does not make yet: HF model_type (a Qwen3.5 export's merged/ is
-# its wrapper's) → llama.cpp's architecture. Gated DeltaNet needs convert_hf_to_gguf.py's own rewrites (A_log, the
-# zero-centred norms, the value-head order of in_proj_qkv), unchecked against llama.cpp here: refused before training.
-NOT_WRITTEN = {"qwen3_5_text": "qwen35", "qwen3_5": "qwen35", "qwen3_5_moe_text": "qwen35moe",
-               "qwen3_5_moe": "qwen35moe"}
-
-
 class GGUFError(UserError):
     """A GGUF type or architecture this export cannot write (known before training)."""
 
@@ -45,13 +38,10 @@ def check(types: list[str], model_type: str, tokenizer_dir: Path | None = None) 
     unknown = [t for t in types if t not in GGUF_TYPES]
     if unknown:
         raise GGUFError(f"export.gguf: cannot write {unknown}; types are {list(GGUF_TYPES)}")
-    if types and model_type in NOT_WRITTEN:
-        raise GGUFError(f"export.gguf: the {model_type} architecture (llama.cpp's {NOT_WRITTEN[model_type]}) is not "
-                        f"written as GGUF by this export yet (supported: {sorted(ARCHS)}); set export.gguf to [] and "
-                        "convert merged/ with llama.cpp's convert_hf_to_gguf.py")
     if types and model_type not in ARCHS:
         raise GGUFError(f"export.gguf: the {model_type} architecture is not written as GGUF (supported: "
-                        f"{sorted(ARCHS)}); set export.gguf to []")
+                        f"{sorted(ARCHS)}); set export.gguf to [] (llama.cpp's convert_hf_to_gguf.py may convert "
+                        "merged/ where llama.cpp runs the architecture)")
     if types and tokenizer_dir is not None:
         check_tokenizer(tokenizer_dir)
     needs_llama = [t for t in types if t in QUANTIZED]

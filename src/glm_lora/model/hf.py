@@ -364,12 +364,7 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
     if head_dim * heads != hf["hidden_size"] and not layout.moe:      # GLM-4.5: 96 heads × 128 over hidden 5120
         raise BaseModelError(f"{source}: head_dim {head_dim} × heads {heads} != hidden_size {hf['hidden_size']}; "
                              "supported: head_dim = hidden_size / num_attention_heads (any head_dim in glm4_moe)")
-    if heads % kv_heads:
-        raise BaseModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) else None
-    if rotary is None or not 0 < rotary <= head_dim or rotary % 2:
-        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} × head_dim {head_dim} must give an "
-                             "even number of rotated dims in (0, head_dim]")
+    _check_heads_and_rotary(heads, kv_heads, head_dim, partial, source)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return DecoderConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
@@ -382,6 +377,15 @@ def decoder_config_from_hf(hf: dict, source: str = "config.json") -> DecoderConf
         qk_norm=bool(hf.get("use_qk_norm", False)) if "qk_norm" in layout.variable else None,
         **(_moe_fields(hf, source) if layout.moe else {}),
     )
+
+
+def _check_heads_and_rotary(heads: int, kv_heads: int, head_dim: int, partial, source: str) -> None:
+    if heads % kv_heads:
+        raise BaseModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) else None
+    if rotary is None or not 0 < rotary <= head_dim or rotary % 2:
+        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} × head_dim {head_dim} must give an "
+                             "even number of rotated dims in (0, head_dim]")
 
 
 def _positive_int(value) -> bool:
@@ -482,9 +486,6 @@ def _hybrid_config(hf: dict, arch: str, source: str, whole: dict) -> DecoderConf
         key = "layer_types" if "layer_types" in hf else "full_attention_interval"
         raise BaseModelError(f"{source}: {key} {quote(hf.get(key))} is not supported; supported: one of "
                              f"{list(LAYER_TYPES)} for each of the {layers} layers")
-    if heads % kv_heads:
-        raise BaseModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                             f"{kv_heads}")
     if get("linear_num_value_heads") % get("linear_num_key_heads"):
         raise BaseModelError(f"{source}: linear_num_value_heads {get('linear_num_value_heads')} is not a multiple of "
                              f"linear_num_key_heads {get('linear_num_key_heads')}; supported: each key head shared by "
@@ -492,10 +493,7 @@ def _hybrid_config(hf: dict, arch: str, source: str, whole: dict) -> DecoderConf
     # rope_parameters' mrope_section / mrope_interleaved (M-RoPE) are taken as they are: they pick which of three
     # position rows (time, height, width) turns each frequency, and for text all three rows are the token's position.
     partial, head_dim = _partial_rotary(hf, arch, source), get("head_dim")
-    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) else None
-    if rotary is None or not 0 < rotary <= head_dim or rotary % 2:
-        raise BaseModelError(f"{source}: partial_rotary_factor {quote(partial)} × head_dim {head_dim} must give an "
-                             "even number of rotated dims in (0, head_dim]")
+    _check_heads_and_rotary(heads, kv_heads, head_dim, partial, source)
     experts = {ours: get(key) for ours, key in QWEN_MOE_KEYS.items()} if moe else {}
     if moe and not (experts["n_routed_experts"] >= 2 and experts["num_experts_per_tok"] <= experts["n_routed_experts"]):
         raise BaseModelError(f"{source}: num_experts {experts['n_routed_experts']} / num_experts_per_tok "

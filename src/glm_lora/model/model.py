@@ -392,11 +392,10 @@ class Attention(nn.Module):
 
 class HybridMask(NamedTuple):
     """What the layers of a hybrid layout (layer_types) read besides their input: the attention layers' mask, and the
-    packed rows' documents (None: one per row) at whose boundaries the linear-attention layers reset — to the end of
-    the shared prompt `prefix_docs` names, where one does (data.packing)."""
+    packed rows (None: one sequence per row) at whose document boundaries the linear-attention layers reset — or
+    continue a shared prompt (data.packing's prefix_docs)."""
     attention: object
-    doc_ids: torch.Tensor | None
-    prefix_docs: torch.Tensor | None = None
+    rows: delta_rule.PackedRows | None
 
 
 def longest_document(doc_ids: torch.Tensor) -> int:
@@ -686,16 +685,19 @@ class MoE(nn.Module):
         return self.experts(flat, experts, weights).view(B, T, C) + self.shared_experts(x)
 
 
-class GatedSharedMoE(MoE):
+class GatedSharedMoE(nn.Module):
     """Qwen's mixture (Qwen3_5MoeSparseMoeBlock): SoftmaxRouter's routed experts plus one shared_expert whose output
     is scaled by sigmoid(shared_expert_gate(x)), a learned per-token gate."""
 
     def __init__(self, cfg: DecoderConfig):
-        nn.Module.__init__(self)
+        super().__init__()
         self.gate = SoftmaxRouter(cfg)
         self.experts = Experts(cfg)
         self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def reads_input_once(self, x) -> bool:
+        return False        # the router, the experts, the shared expert and its gate
 
     def forward(self, x):
         B, T, C = x.shape
@@ -733,7 +735,7 @@ class Block(nn.Module):
         mixer = self.linear_attn if linear else self.self_attn
         x, n = self.input_layernorm.add(x, h, _matmul_input_dtype(x, mixer.reads_input_once(x)))
         if linear:
-            h = self.linear_attn(n, mask.doc_ids, cache, mask.prefix_docs)
+            h = self.linear_attn(n, mask.rows, cache)
         else:           # a hybrid layout's attention layers read their part of the mask (HybridMask)
             h = self.self_attn(n, cos, sin, mask.attention if isinstance(mask, HybridMask) else mask, cache)
         if hasattr(self, "post_self_attn_layernorm"):
@@ -884,7 +886,8 @@ class Decoder(nn.Module):
         if cfg.layout.linear_attention:
             mask = cache.start(position_ids) if cache is not None else (
                 None if doc_ids is None else kernels.document_causal_mask(doc_ids, prefix_docs))
-            return cos, sin, HybridMask(mask, *((doc_ids, prefix_docs) if cache is None else (None, None)))
+            rows = None if doc_ids is None or cache is not None else delta_rule.PackedRows(doc_ids, prefix_docs)
+            return cos, sin, HybridMask(mask, rows)
         if cache is not None:
             return cos, sin, cache.start(position_ids)
         if cfg.layout.dsa and self.sparse_attention_pays(position_ids.shape[1], doc_ids, prefix_docs):

@@ -142,7 +142,13 @@ class DataConfig(Section):
 
 class TokenizerConfig(Section):
     vocab_size: int = Field(2000, ge=300, description="Vocabulary size; an upper bound where the corpus has fewer "
-                                                      "distinct pieces.")
+                                                      "distinct pieces. Not used with path.")
+    path: Path | None = Field(
+        None, description="A tokenizer you already have, to pretrain with instead of training one: a local directory "
+                          "of Hugging Face tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json "
+                          "with a chat_template, or chat_template.jinja), e.g. MiniMind's `model/` or a Llama / Qwen "
+                          "model's. Its files are copied into the run; the model's vocabulary is its size. null: "
+                          "train a BPE on the pretraining text.")
 
 
 class ModelConfig(Section):
@@ -680,8 +686,8 @@ class Config(Section):
                           "pretrain stages are skipped, and tokenizer, model and pretrain are not used.")
     data: DataConfig = Field(DataConfig(), description="Training and evaluation data, and how rows are cleaned.")
     tokenizer: TokenizerConfig = Field(TokenizerConfig(), description="The tokenizer trained on the pretraining "
-                                                                      "corpus (not used with base_model, which "
-                                                                      "brings its own).")
+                                                                      "corpus, or yours (`path`); not used with "
+                                                                      "base_model, which brings its own.")
     model: ModelConfig = Field(ModelConfig(), description="The decoder pretrained from scratch: its layout (`arch`) "
                                                           "and shape, which map onto the transformers class of that "
                                                           "layout. Not used with base_model.")
@@ -714,6 +720,13 @@ class Config(Section):
             ("pretrain", self.pretrain), ("sft", self.sft), ("dpo", self.dpo))
         for key, tc in stages:
             derived_grad_accum(tc, key, world)
+        return self
+
+    @model_validator(mode="after")
+    def _one_tokenizer_source(self):
+        if self.base_model is not None and self.tokenizer.path is not None:
+            raise ValueError("tokenizer.path is for pretraining from scratch; base_model brings its own tokenizer: "
+                             "set one of them")
         return self
 
     @model_validator(mode="after")

@@ -29,8 +29,9 @@ def data_stage(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 def tokenizer_stage(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> dict:
-    """The tokenizer stage: train the BPE on the pretraining text, or take the base model's."""
-    return prepare_tokenizer(inputs["data"], cfg.tokenizer.vocab_size, out_dir, base_model=cfg.base_model)
+    """The tokenizer stage: train the BPE on the pretraining text, or take the base model's or tokenizer.path's."""
+    return prepare_tokenizer(inputs["data"], cfg.tokenizer.vocab_size, out_dir, base_model=cfg.base_model,
+                             path=cfg.tokenizer.path)
 
 
 def check_user_paths(cfg: DataConfig) -> dict[str, Path]:
@@ -52,11 +53,15 @@ def check_user_paths(cfg: DataConfig) -> dict[str, Path]:
     return user
 
 
-def base_tokenizer_files(base_model: Path) -> list[str]:
-    """The tokenizer files a base model directory has; it needs tokenizer.json or tokenizer.model."""
-    found = [f for f in TOKENIZER_FILES if (Path(base_model) / f).is_file()]
+def base_tokenizer_files(source: Path, key: str = "base_model") -> list[str]:
+    """The tokenizer files a directory has (a base model's, or tokenizer.path); it needs tokenizer.json or
+    tokenizer.model."""
+    source = Path(source)
+    if not source.is_dir():
+        raise DataError(f"{key} {source}: not a directory")
+    found = [f for f in TOKENIZER_FILES if (source / f).is_file()]
     if "tokenizer.json" not in found and "tokenizer.model" not in found:
-        raise DataError(f"base_model {base_model}: no tokenizer.json or tokenizer.model")
+        raise DataError(f"{key} {source}: no tokenizer.json or tokenizer.model")
     return found
 
 
@@ -160,20 +165,26 @@ def unchanged_rows(rows: Iterable, path: Path, sha256: str, split: str) -> Itera
 
 
 def prepare_tokenizer(data_dir: Path, vocab_size: int, out_dir: Path, base_model: Path | None = None,
-                      seed: int = 0) -> dict:
-    """Train a sentencepiece BPE on the pretraining text, or take a base model's tokenizer."""
-    if base_model is not None:
-        base_model = Path(base_model)
-        found = base_tokenizer_files(base_model)
+                      seed: int = 0, path: Path | None = None) -> dict:
+    """Train a sentencepiece BPE on the pretraining text, or take a base model's tokenizer, or the one at `path`
+    (tokenizer.path)."""
+    source, key = (base_model, "base_model") if base_model is not None else (path, "tokenizer.path")
+    if source is not None:
+        source = Path(source).expanduser().resolve()
+        found = base_tokenizer_files(source, key)
         for f in found:
-            shutil.copy2(base_model / f, Path(out_dir) / f)
-        tok = load_tokenizer(out_dir)
+            shutil.copy2(source / f, Path(out_dir) / f)
+        try:
+            tok = load_tokenizer(out_dir)
+        except Exception as e:      # noqa: BLE001 -- transformers' many parse errors: one message naming the files
+            raise DataError(f"{key} {source}: transformers cannot load its tokenizer files ({type(e).__name__}: "
+                            f"{str(e)[:300]})") from None
         if not tok.chat_template:
-            raise DataError(f"base_model {base_model}: its tokenizer has no chat_template; SFT/DPO need one "
-                             "(add chat_template.jinja to the model directory)")
+            raise DataError(f"{key} {source}: its tokenizer has no chat_template; SFT/DPO need one "
+                            "(add chat_template.jinja to the directory)")
         if tok.eos_token_id is None:
-            raise DataError(f"base_model {base_model}: tokenizer defines no eos_token")
-        return {"source": str(base_model), "files": len(found), "vocab_size": len(tok)}
+            raise DataError(f"{key} {source}: tokenizer defines no eos_token")
+        return {"source": str(source), "files": len(found), "vocab_size": len(tok)}
     settings = json.loads((Path(data_dir) / SOURCES).read_text())["cleaning"]
     train_tokenizer([split_path(data_dir, "pretrain")], Path(out_dir), vocab_size=vocab_size, seed=seed,
                     max_line_bytes=settings.get("max_line_bytes", MAX_LINE_BYTES))

@@ -83,6 +83,8 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
         train_loss = loss_fn
     model.gradient_checkpointing = tc.activation_checkpointing
     validate = validation_loss(data, stage, tc, loss_fn, model, rt, cfg.eval.max_rows) if tc.eval_every else None
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
     with (open(Path(out_dir) / METRICS, "a", encoding="utf-8") if rt.main    # a JSON line per logging window
           else contextlib.nullcontext()) as metrics:
         def on_log(window: dict) -> None:
@@ -98,6 +100,8 @@ def fit(stage: str, cfg: Config, tc: TrainConfig, model, loss_fn, data: StageDat
             summary = train(model, train_loss, make_batches, tc, rt, checkpointer=ckpt, validate=validate,
                             on_log=on_log if rt.main else None)
     losses = summary.pop("losses")
+    if rt.device.type == "cuda":        # this process's training peak (allocated tensors; the caching allocator holds more)
+        summary["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(rt.device) / 1e9
     if rt.main:
         (Path(out_dir) / LOSSES).write_text(json.dumps(losses))
     return {**summary, **ckpt.metrics(), **summary_data, **extra, **compiled, **graphed, "checkpoints": str(ckpt.root)}

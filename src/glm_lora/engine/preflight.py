@@ -41,6 +41,8 @@ def preflight(cfg: Config) -> None:
     dist.check(cfg)              # batch math for the world size: rows × seq_len × grad_accum × world
     harness.check(cfg.eval.harness, synthetic=cfg.data.sft is None)   # lm-evaluation-harness tasks known and loadable
     if cfg.base_model is None:
+        if cfg.tokenizer.path is not None:
+            base_tokenizer_files(cfg.tokenizer.path.expanduser().resolve(), "tokenizer.path")
         _check_lora(cfg, decoder_config(cfg, 1))
         gguf_support.check(cfg.export.gguf, cfg.model.arch)
         return

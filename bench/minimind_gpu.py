@@ -1,7 +1,7 @@
 """From scratch against MiniMind's own scripts: pretraining and SFT on one GPU, the same data, model shape,
 tokenizer, token budget, batch and sequence length; then each model evaluated by the same code.
 
-    python -m bench.minimind_gpu --minimind PATH [--pretrain-docs N] [--sft-rows N] [--compile-theirs]
+    python -m bench.minimind_gpu --minimind PATH [--pretrain-docs N] [--sft-rows N] [--their-variants eager,compiled]
                                  [--work DIR] [--smoke]
 
 PATH is a checkout of jingyaogong/minimind that you point to (nothing of it is in this repository). It is copied
@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-rows", type=int, default=200)
     ap.add_argument("--sft-seq-len", type=int, default=128)
     ap.add_argument("--sft-lr", type=float, default=1e-3)
-    ap.add_argument("--compile-theirs", action="store_true", help="MiniMind's --use_compile 1 as well as its default")
+    ap.add_argument("--their-variants", default="eager,compiled",
+                    help="MiniMind runs: eager (its default) and/or compiled (its --use_compile 1)")
     ap.add_argument("--minimind-commit", help="the checkout's commit, where it has no .git (recorded)")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a new temporary one)")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, a 2-layer 64-wide model, a few hundred rows")
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     theirs = {}
     pre_micro = math.ceil(a.pretrain_docs / THEIR_PRETRAIN["batch_size"])
     sft_micro = math.ceil(a.sft_rows / THEIR_SFT["batch_size"])
-    for variant in (["eager", "compiled"] if a.compile_theirs else ["eager"]):
+    for variant in a.their_variants.split(","):
         extra = {"use_compile": int(variant == "compiled")}
         shutil.rmtree(checkout / "out", ignore_errors=True)
         p = run_theirs(checkout, "train_pretrain.py",
@@ -343,11 +344,12 @@ def main(argv: list[str] | None = None) -> dict:
         s["eval"] = evaluate_theirs(cfg, run_dir, their_cfg, checkout, checkout / "out" / f"full_sft_{hidden}.pth",
                                     "sft", work / variant, device)
         theirs[variant] = {"pretrain": p, "sft": s, "wall_s_to_chat_model": p["wall_s"] + s["wall_s"]}
-        print(json.dumps({variant: theirs[variant]}, default=str)[:3000], flush=True)
+        (work / f"theirs-{variant}.json").write_text(json.dumps(theirs[variant], indent=1))
 
     # ---- ours: the DAG's stages from the tokenizer on (pretrain → SFT → DPO → export), one epoch each
     for name in ("pretrain", "sft", "dpo", "export"):
         stage(name)
+        print(f"ours {name}: {walls[name]:.1f} s", flush=True)
     ours = {}
     for name, steps in (("pretrain", pre_steps), ("sft", sft_steps)):
         m = json.loads((run_dir / name / "manifest.json").read_text())["metrics"]

@@ -25,6 +25,9 @@ Not run here, and why:
   pretrained base) and measure over minutes; the quality harness's stages are the flow's own, and its
   bench.quality.fresh / bench.quality.on_run run in tests/test_quality.py.
 - bench/probe/{copy_probe,pretrain_probe,cudagraph_blocks}.py: GPU profiles (torch.cuda and CUDA graphs throughout).
+- bench/minimind_gpu.py: runs MiniMind's own scripts from a checkout the user points to, which CI cannot fetch; its
+  observer and weight reader are tested in tests/bench/test_minimind_bench.py, and `--smoke` runs it on a CPU that
+  has a checkout (~45 s).
 """
 from __future__ import annotations
 

@@ -79,6 +79,18 @@ class CleanReport:
             self.examples.setdefault(reason, []).append(
                 message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS - 1] + "…")
 
+    def merge(self, other: "CleanReport") -> None:
+        """Add what `other` counted on a part of the same split (encoded elsewhere: data/parallel_encode.py)."""
+        self.rows += other.rows
+        self.kept += other.kept
+        self.truncated += other.truncated
+        self.prompt_truncated += other.prompt_truncated
+        for reason, n in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + n
+        for reason, messages in other.examples.items():
+            for message in messages:
+                self._example(reason, message)
+
     def as_dict(self) -> dict:
         """JSON-able, for metrics, manifests and Prefect artifacts."""
         return {"rows": self.rows, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),

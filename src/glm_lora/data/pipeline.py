@@ -24,7 +24,8 @@ from glm_lora.data.prefetch import Prefetcher
 from glm_lora.data.prepare import held_out_ids, split_source, unchanged_rows
 from glm_lora.data.sampler import EpochSampler
 from glm_lora.data.token_store import TokenStore
-from glm_lora.data.encode import dpo_examples, kto_examples, lm_examples, sft_examples, tokenized
+from glm_lora.data.encode import dpo_examples, kto_examples, tokenized
+from glm_lora.data.parallel_encode import encoded
 from glm_lora.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("glm_lora.data")
@@ -50,12 +51,13 @@ class StageData:
         group_meta = {"group_labels": []} if store_kind == "kto" else None
         rows = without(unchanged_rows(READERS[store_kind](path, on_bad_row=dc.on_bad_row, report=report,
                                                           max_line_bytes=dc.max_line_bytes), path, sha, split), held)
-        if kind == "pretrain":
-            examples = lm_examples(clean_texts(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
-                                   min_tokens=dc.min_tokens, report=report)
+        if kind == "pretrain":          # the two large kinds: encoded in worker processes past a few seconds
+            examples = encoded("pretrain", clean_texts(rows, dedup=dc.dedup, report=report), self.tok,
+                               self.tokenizer_dir, report, seq_len=tc.seq_len, min_tokens=dc.min_tokens)
         elif kind == "sft":
-            examples = sft_examples(clean_conversations(rows, dedup=dc.dedup, report=report), self.tok,
-                                    seq_len=tc.seq_len, overlong=dc.overlong, min_tokens=dc.min_tokens, report=report)
+            examples = encoded("sft", clean_conversations(rows, dedup=dc.dedup, report=report), self.tok,
+                               self.tokenizer_dir, report, seq_len=tc.seq_len, overlong=dc.overlong,
+                               min_tokens=dc.min_tokens)
         elif store_kind == "kto":           # unpaired rows (pairs are unpaired), each with its mismatched KL twin
             examples = kto_examples(clean_kto(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
                                     overlong=dc.overlong, report=report, desirable=group_meta["group_labels"])

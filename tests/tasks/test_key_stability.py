@@ -17,7 +17,8 @@ ADDED = {"router_aux_loss",        # TrainConfig (every training section), for M
          "harness",                # serve.gate.harness (27; eval.harness is the harness stage's, not in export's key)
          "share_prompt",           # dpo.share_prompt (28: a pair's prompt placed once; changes dpo's batches)
          "cuda_graphs",            # TrainConfig (28: the blocks replayed as CUDA graphs on a GPU)
-         "mtp", "mtp_weight", "mtp_layers"}   # sft/dpo.mtp, <stage>.mtp_weight, model.mtp_layers: the MTP layer
+         "mtp", "mtp_weight", "mtp_layers",   # sft/dpo.mtp, <stage>.mtp_weight, model.mtp_layers: the MTP layer
+         "path"}                   # tokenizer.path (59: pretraining with a tokenizer the user has)
 # Values of a preset changed on purpose since deefde7 (they change the key of the stages whose sections hold them):
 # 28: fewer SFT steps (4500 → 4000 at lr 3e-3, then 3500 with the arithmetic families weighted up in the SFT mix),
 # then DPO 300 → 150 steps and back to 300 (150 left held-out reward accuracy under 90 %); sft.compile true → auto (a

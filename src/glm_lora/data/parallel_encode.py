@@ -2,11 +2,12 @@
 cleaning report, sooner.
 
 Rows are encoded in chunks of CHUNK_ROWS. The first chunks are encoded here; once that has taken SERIAL_S and rows
-remain, the rest go to `workers` processes (forked, as PyTorch's DataLoader and datasets' map fork theirs: nothing is
-imported again and no user script re-runs), at most two chunks each in flight, and come back in order, each with its own report merged into the split's. A small
-split never starts a process, and neither does a machine with fewer than MIN_CPUS cores (the 2-core CPU default
-would only trade its cores between tokenising and waiting). Each row's encoding depends on that row alone, so the
-token store is byte-identical either way (tests/data/test_parallel_encode.py).
+remain, the rest go to `workers` processes, at most two chunks each in flight, and come back in order, each with its
+own report merged into the split's. The workers are forked, as PyTorch's DataLoader and datasets' map fork theirs:
+nothing is imported again and no user script runs again. A small split never starts a process, and neither does a
+machine with fewer than MIN_CPUS cores (the 2-core CPU default would only trade its cores between tokenising and
+waiting). Each row's encoding depends on that row alone, so the token store is byte-identical either way
+(tests/data/test_parallel_encode.py).
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ SERIAL_S = 2.0          # encoding this long here first: a split done by then ne
 MIN_CPUS = 4
 MAX_WORKERS = 16
 ENCODERS = {"pretrain": lm_examples, "sft": sft_examples}
-
-
 WORKERS_ENV = "GLM_LORA_TOKENIZE_WORKERS"       # a number of processes instead of default_workers(); 0: none
 
 

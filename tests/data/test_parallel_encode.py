@@ -42,8 +42,8 @@ def test_workers_give_the_same_examples_and_report(kind, tok_dir, monkeypatch) -
     rows = texts if kind == "pretrain" else convs
     options = {"seq_len": 48, "min_tokens": 3} if kind == "pretrain" else {"seq_len": 200, "min_tokens": 3, "overlong": "drop"}
     here, there = CleanReport(max_examples=2), CleanReport(max_examples=2)
-    a = [(list(i), list(l)) for i, l in encoded(kind, rows, tok, tok_dir, here, workers=0, **options)]
-    b = [(list(map(int, i)), list(map(int, l))) for i, l in encoded(kind, rows, tok, tok_dir, there, workers=2,
+    a = [(list(i), list(l)) for i, l in encoded(kind, rows, tok, here, workers=0, **options)]
+    b = [(list(map(int, i)), list(map(int, l))) for i, l in encoded(kind, rows, tok, there, workers=2,
                                                                    serial_s=0.0, **options)]
     assert a == b and len(a) > 100
     assert here.as_dict() == there.as_dict() and sum(here.dropped.values()) > 0
@@ -54,7 +54,7 @@ def test_a_small_split_never_starts_a_process(tok_dir, monkeypatch) -> None:
         raise AssertionError("a process pool was started")
     monkeypatch.setattr(parallel_encode.cf, "ProcessPoolExecutor", refuse)
     texts, _ = _rows()
-    assert len(list(encoded("pretrain", texts, load_tokenizer(tok_dir), tok_dir, CleanReport(), workers=4,
+    assert len(list(encoded("pretrain", texts, load_tokenizer(tok_dir), CleanReport(), workers=4,
                             seq_len=48, min_tokens=3))) > 100
 
 

@@ -6,7 +6,7 @@ remain, the rest go to `workers` processes, at most two chunks each in flight, a
 own report merged into the split's. The workers are forked, as PyTorch's DataLoader and datasets' map fork theirs:
 nothing is imported again and no user script runs again. A small split never starts a process, and neither does a
 machine with fewer than MIN_CPUS cores (the 2-core CPU default would only trade its cores between tokenising and
-waiting). Each row's encoding depends on that row alone, so the token store is byte-identical either way
+waiting) or without fork. Each row's encoding depends on that row alone, so the token store is byte-identical either way
 (tests/data/test_parallel_encode.py).
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -44,13 +43,15 @@ def default_workers() -> int:
     return min(cpus - 1, MAX_WORKERS) if cpus >= MIN_CPUS else 0
 
 
-def encoded(kind: str, rows: Iterable, tok, tokenizer_dir: Path, report: CleanReport, *, workers: int | None = None,
+def encoded(kind: str, rows: Iterable, tok, report: CleanReport, *, workers: int | None = None,
             serial_s: float | None = None, **options) -> Iterator:
     """`ENCODERS[kind](rows, tok, report=report, **options)`'s examples, in its order, with chunks past the first
     `serial_s` seconds (default SERIAL_S) encoded by `workers` processes (default `default_workers()`; 0: all
     here)."""
     encode = ENCODERS[kind]
     workers = default_workers() if workers is None else workers
+    if "fork" not in multiprocessing.get_all_start_methods():
+        workers = 0         # spawned workers would import the user's main script again: encode everything here
     serial_s = SERIAL_S if serial_s is None else serial_s
     chunks = _chunks(iter(rows))
     t0 = time.perf_counter()
@@ -61,11 +62,8 @@ def encoded(kind: str, rows: Iterable, tok, tokenizer_dir: Path, report: CleanRe
     else:
         return
     global _TOKENIZER
-    _TOKENIZER = tok        # forked workers inherit it; spawned ones (no fork on this platform) load it themselves
-    forks = "fork" in multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if forks else "spawn")
-    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=None if forks else _load,
-                                initargs=() if forks else (str(tokenizer_dir),)) as pool:
+    _TOKENIZER = tok        # the forked workers inherit it
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         pending: deque[cf.Future] = deque()
         for chunk in itertools.chain(chunks, [None]):
             if chunk is not None:
@@ -82,12 +80,6 @@ def _chunks(rows: Iterator) -> Iterator[list]:
 
 
 _TOKENIZER = None
-
-
-def _load(tokenizer_dir: str) -> None:
-    global _TOKENIZER
-    from glm_lora.data.tokenizer import load_tokenizer
-    _TOKENIZER = load_tokenizer(tokenizer_dir)
 
 
 def _encode_chunk(kind: str, chunk: list, max_examples: int, options: dict) -> tuple[list, CleanReport]:

@@ -52,12 +52,11 @@ class StageData:
         rows = without(unchanged_rows(READERS[store_kind](path, on_bad_row=dc.on_bad_row, report=report,
                                                           max_line_bytes=dc.max_line_bytes), path, sha, split), held)
         if kind == "pretrain":          # the two large kinds: encoded in worker processes past a few seconds
-            examples = encoded("pretrain", clean_texts(rows, dedup=dc.dedup, report=report), self.tok,
-                               self.tokenizer_dir, report, seq_len=tc.seq_len, min_tokens=dc.min_tokens)
+            examples = encoded("pretrain", clean_texts(rows, dedup=dc.dedup, report=report), self.tok, report,
+                               seq_len=tc.seq_len, min_tokens=dc.min_tokens)
         elif kind == "sft":
-            examples = encoded("sft", clean_conversations(rows, dedup=dc.dedup, report=report), self.tok,
-                               self.tokenizer_dir, report, seq_len=tc.seq_len, overlong=dc.overlong,
-                               min_tokens=dc.min_tokens)
+            examples = encoded("sft", clean_conversations(rows, dedup=dc.dedup, report=report), self.tok, report,
+                               seq_len=tc.seq_len, overlong=dc.overlong, min_tokens=dc.min_tokens)
         elif store_kind == "kto":           # unpaired rows (pairs are unpaired), each with its mismatched KL twin
             examples = kto_examples(clean_kto(rows, dedup=dc.dedup, report=report), self.tok, seq_len=tc.seq_len,
                                     overlong=dc.overlong, report=report, desirable=group_meta["group_labels"])
